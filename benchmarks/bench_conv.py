@@ -1,0 +1,127 @@
+"""Benchmark the grouped dynamic conv: ours vs the eager reference vs torch.compile of it.
+
+    python benchmarks/bench_conv.py [--out results.jsonl] [--no-compile] [--quick]
+
+Runs on CUDA when present, else on the CPU (the CPU path, at sizes that finish in
+about a minute). Prints a table (median / p20 / p80 ms per call, effective GB/s over
+the minimal bytes, percent of the copy bandwidth measured in the same run, and how
+many times faster ours is) and appends one JSON record per row to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dflash2_kernels as dk  # noqa: E402
+from dflash2_kernels import reference  # noqa: E402
+
+from common import Row, copy_bandwidth_gbps, environment, print_table, time_cuda_graph, time_fn, write_records  # noqa: E402
+
+BF16 = (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+F32 = (torch.float32, torch.float32, torch.float32)
+AUTOCAST = (torch.float32, torch.bfloat16, torch.float32)  # speculators under bf16 autocast
+
+
+@dataclass(frozen=True)
+class Shape:
+    rows: int
+    hidden: int
+    dtypes: tuple
+    group_size: int = 16
+    taps: int = 2
+    block_size: int = 8
+
+    @property
+    def name(self) -> str:
+        kind = {BF16: "bf16", F32: "fp32", AUTOCAST: "fp32 x/bf16 delta"}[self.dtypes]
+        return f"{self.rows}x{self.hidden} {kind}"
+
+
+GPU_SHAPES = [Shape(256, 5120, BF16), Shape(4096, 5120, BF16), Shape(4096, 5120, AUTOCAST),
+              Shape(16384, 4096, BF16), Shape(16384, 4096, AUTOCAST)]
+CPU_SHAPES = [Shape(256, 5120, F32), Shape(4096, 4096, F32), Shape(1024, 4096, BF16)]
+
+
+def make_inputs(shape: Shape, device: torch.device):
+    x_dtype, delta_dtype, base_dtype = shape.dtypes
+    groups = shape.hidden // shape.group_size
+    x = torch.randn(shape.rows, shape.hidden, device=device, dtype=x_dtype)
+    # One side of the projection's [N, 2, K, G] output, as the module passes it.
+    delta = torch.randn(shape.rows, 2, shape.taps, groups, device=device, dtype=delta_dtype)[:, 1]
+    base = torch.randn(shape.taps, shape.hidden, device=device, dtype=base_dtype)
+    dy = torch.randn(shape.rows, shape.hidden, device=device, dtype=torch.promote_types(x_dtype, delta_dtype))
+    return x, delta, base, dy
+
+
+def minimal_bytes(shape: Shape, backward: bool) -> int:
+    """Bytes a perfect kernel moves: each operand read once, each result written once."""
+    x_dtype, delta_dtype, base_dtype = shape.dtypes
+    size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    out_size = size(torch.promote_types(x_dtype, delta_dtype))
+    n_x = shape.rows * shape.hidden
+    n_delta = shape.rows * shape.taps * (shape.hidden // shape.group_size)
+    n_base = shape.taps * shape.hidden
+    forward = n_x * size(x_dtype) + n_delta * size(delta_dtype) + n_base * size(base_dtype) + n_x * out_size
+    if not backward:
+        return forward
+    # backward reads dy, x, delta, base and writes dx, ddelta, dbase
+    return forward + n_x * out_size + forward - n_x * out_size + n_x * size(x_dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="append JSON records here")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    parser.add_argument("--quick", action="store_true", help="first two shapes only")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device)
+    copy_gbps = copy_bandwidth_gbps(device)
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
+    print(f"# copy bandwidth (read + write): {copy_gbps:.1f} GB/s")
+
+    impls = {"ours": dk.grouped_dynamic_conv, "reference": reference.grouped_dynamic_conv}
+    if not args.no_compile:
+        impls["compiled reference"] = torch.compile(reference.grouped_dynamic_conv, dynamic=False)
+    shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    if args.quick:
+        shapes = shapes[:2]
+
+    rows: list[Row] = []
+    for shape in shapes:
+        x, delta, base, dy = make_inputs(shape, device)
+        kwargs = dict(block_size=shape.block_size, group_size=shape.group_size)
+        for impl, conv in impls.items():
+            forward = lambda conv=conv: conv(x, delta, base, **kwargs)  # noqa: E731
+            with torch.no_grad():
+                timing = time_fn(forward, device)
+            rows.append(Row("conv", f"fwd {shape.name}", impl, timing, minimal_bytes(shape, False), copy_gbps))
+
+            leaves = [t.detach().requires_grad_() for t in (x, delta, base)]
+
+            def forward_backward(conv=conv, leaves=leaves):
+                out = conv(*leaves, **kwargs)
+                return torch.autograd.grad(out, leaves, dy)
+
+            timing = time_fn(forward_backward, device)
+            rows.append(Row("conv", f"fwd+bwd {shape.name}", impl, timing, minimal_bytes(shape, True), copy_gbps))
+
+        if device.type == "cuda" and shape.rows <= 256:
+            with torch.no_grad():
+                timing = time_cuda_graph(lambda: dk.grouped_dynamic_conv(x, delta, base, **kwargs), device)
+            rows.append(Row("conv", f"fwd {shape.name} graph", "ours", timing, minimal_bytes(shape, False), copy_gbps))
+
+    print_table(rows)
+    write_records(rows, env, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Timing, roofline and reporting shared by the benchmarks.
+
+Times are per call: median, p20 and p80 over repetitions. On CUDA each repetition is
+timed with events after the L2 cache is flushed (so a 40 MB operand is not served
+from a 50 MB L2); on CPU with ``time.perf_counter``. The roofline is the device's
+copy bandwidth, measured in the same run: bytes read + written by a large
+``Tensor.copy_``, per second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def _summary(samples_ms: list[float]) -> Timing:
+    return Timing(statistics.median(samples_ms), _quantile(samples_ms, 0.2), _quantile(samples_ms, 0.8))
+
+
+def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 10.0) -> Timing:
+    """Per-call time of ``fn()``; stops early once ``budget_s`` seconds are spent."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    if device.type == "cuda":
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+        torch.cuda.synchronize(device)
+        deadline = time.perf_counter() + budget_s
+        for _ in range(reps):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+            if time.perf_counter() > deadline:
+                break
+    else:
+        deadline = time.perf_counter() + budget_s
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+            if time.perf_counter() > deadline and len(samples) >= 3:
+                break
+    return _summary(samples)
+
+
+def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int = 20, reps: int = 50) -> Timing:
+    """Per-call time of ``fn()`` replayed from a CUDA graph of ``calls_per_graph`` calls."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls_per_graph)
+    return _summary(samples)
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    numel = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(numel, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    timing = time_fn(lambda: dst.copy_(src), device, warmup=3, reps=20)
+    return 2 * numel / (timing.median_ms * 1e-3) / 1e9
+
+
+def git_commit() -> str:
+    if os.environ.get("DFLASH2_COMMIT"):
+        return os.environ["DFLASH2_COMMIT"]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": device_name,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+    }
+
+
+@dataclass
+class Row:
+    """One measured (case, implementation) pair."""
+
+    bench: str
+    case: str
+    impl: str
+    timing: Timing
+    bytes: int
+    copy_gbps: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / (self.timing.median_ms * 1e-3) / 1e9
+
+    def record(self, env: dict) -> dict:
+        return {**env, **asdict(self), "gbps": self.gbps, "pct_copy_bw": 100 * self.gbps / self.copy_gbps}
+
+
+def print_table(rows: list[Row], baseline_impl: str = "ours") -> None:
+    """A fixed-width table; speedups are the baseline's against each other implementation."""
+    ours = {r.case: r for r in rows if r.impl == baseline_impl}
+    header = f"{'case':44} {'impl':16} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        base = ours.get(r.case)
+        speedup = f"{r.timing.median_ms / base.timing.median_ms:7.2f}" if base and r is not base else "       "
+        print(
+            f"{r.case:44} {r.impl:16} {r.timing.median_ms:10.4f} {r.timing.p20_ms:9.4f} {r.timing.p80_ms:9.4f} "
+            f"{r.gbps:8.1f} {100 * r.gbps / r.copy_gbps:6.1f} {speedup}"
+        )
+
+
+def write_records(rows: list[Row], env: dict, path: str | None) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r.record(env)) + "\n")

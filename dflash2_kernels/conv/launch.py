@@ -1,0 +1,201 @@
+"""Launchers of the conv's Triton kernels: tile choice, buffers, grids.
+
+Inputs arrive flattened and validated by ``ops.py``: x ``[N, H]``, delta ``[N, K, G]``,
+base ``[K, H]``, each with a unit last stride and any row stride. speculators rounds
+the base kernel to the hidden dtype before use; the launchers do that rounding here
+(a [K, H] cast, free when the dtypes already agree) rather than in the kernels,
+because the Triton interpreter truncates in-kernel fp32 -> bf16 casts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import grouped_dynamic_conv_bwd_kernel, grouped_dynamic_conv_fwd_kernel
+
+# Under TRITON_INTERPRET=1, triton.jit hands back an interpreter object instead of a
+# compiled kernel; which one we got is what decides whether CPU tensors can run here.
+KERNELS_INTERPRETED = type(grouped_dynamic_conv_fwd_kernel).__name__ == "InterpretedFunction"
+
+_MAX_PROGRAMS = 2**31 - 1
+_MAX_BLOCK_J = 128
+_TILE_CHANNELS = 256
+_FWD_TILE_ELEMENTS = 4096
+_BWD_TILE_ELEMENTS = 2048
+_MAX_ROW_STEPS = 64
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch, fully decided: what the launchers run and the AOT test compiles."""
+
+    kernel: object
+    programs: int
+    args: dict
+    constexprs: dict
+    num_warps: int
+
+    def run(self, device_of: torch.Tensor) -> None:
+        with _device_guard(device_of):
+            self.kernel[(self.programs,)](**self.args, **self.constexprs, num_warps=self.num_warps)
+
+
+@dataclass(frozen=True)
+class ConvTiles:
+    """Compile-time tile shape of one launch (shared by forward and backward)."""
+
+    block_n: int
+    block_g: int
+    block_j: int
+    j_tiles: int
+    num_warps: int
+
+    def col_tiles(self, num_groups: int) -> int:
+        return triton.cdiv(num_groups, self.block_g) * self.j_tiles
+
+
+def conv_tiles(num_groups: int, group_size: int, *, backward: bool) -> ConvTiles:
+    """Tile shape for a hidden size of ``num_groups * group_size`` channels.
+
+    About 256 channels wide (contiguous when the group size is a power of two) and
+    4096 (forward) or 2048 (backward, which holds more live tiles) elements in all.
+    """
+    block_j = min(triton.next_power_of_2(group_size), _MAX_BLOCK_J)
+    block_g = max(1, min(triton.next_power_of_2(num_groups), _TILE_CHANNELS // block_j))
+    elements = _BWD_TILE_ELEMENTS if backward else _FWD_TILE_ELEMENTS
+    block_n = max(1, min(64, elements // (block_g * block_j)))
+    # Eight warps keep the backward's live tiles near 100 registers a thread on sm_90.
+    num_warps = 8 if backward else 4
+    return ConvTiles(block_n, block_g, block_j, triton.cdiv(group_size, block_j), num_warps)
+
+
+def accumulator_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _device_guard(tensor: torch.Tensor):
+    # Triton launches on the current CUDA device; tensors may live on another one.
+    if tensor.is_cuda:
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
+
+
+def _check_grid(programs: int) -> None:
+    if programs > _MAX_PROGRAMS:
+        raise ValueError(
+            f"grouped_dynamic_conv: {programs} programs exceed the grid limit {_MAX_PROGRAMS}."
+        )
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * 8
+    # The interpreter: few programs, so small test shapes still take several row steps.
+    return 4
+
+
+def plan_conv_forward(
+    x: torch.Tensor, delta: torch.Tensor, base_x: torch.Tensor, out: torch.Tensor, block_size: int
+) -> KernelLaunch:
+    """The forward launch writing out [N, H] from x [N, H], delta [N, K, G], base_x [K, H]."""
+    n_rows, hidden_size = x.shape
+    kernel_size, num_groups = delta.shape[1], delta.shape[2]
+    group_size = hidden_size // num_groups
+    tiles = conv_tiles(num_groups, group_size, backward=False)
+    n_col_tiles = tiles.col_tiles(num_groups)
+    programs = triton.cdiv(n_rows, tiles.block_n) * n_col_tiles
+    _check_grid(programs)
+    args = dict(
+        x_ptr=x, delta_ptr=delta, base_ptr=base_x, out_ptr=out,
+        n_rows=n_rows, num_groups=num_groups, block_size=block_size, n_col_tiles=n_col_tiles,
+        stride_x_row=x.stride(0), stride_delta_row=delta.stride(0), stride_delta_tap=delta.stride(1),
+        stride_base_tap=base_x.stride(0), stride_out_row=out.stride(0),
+    )
+    constexprs = dict(
+        KERNEL_SIZE=kernel_size,
+        GROUP_SIZE=group_size,
+        ACC_DTYPE=_TL_DTYPES[accumulator_dtype(x, delta, base_x)],
+        BLOCK_N=tiles.block_n,
+        BLOCK_G=tiles.block_g,
+        BLOCK_J=tiles.block_j,
+    )
+    return KernelLaunch(grouped_dynamic_conv_fwd_kernel, programs, args, constexprs, tiles.num_warps)
+
+
+def plan_conv_backward(
+    dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base_x: torch.Tensor, block_size: int, acc_dtype: torch.dtype
+) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward launch and the buffers it writes: (launch, dx, ddelta splits, dbase partials).
+
+    ddelta is [J_TILES, N, K, G]: delta's dtype when a group fits one channel tile,
+    otherwise fp32 partials per tile. dbase partials are [chunks, K, H] in fp32.
+    """
+    n_rows, hidden_size = x.shape
+    kernel_size, num_groups = delta.shape[1], delta.shape[2]
+    group_size = hidden_size // num_groups
+    tiles = conv_tiles(num_groups, group_size, backward=True)
+    n_col_tiles = tiles.col_tiles(num_groups)
+    row_tiles = triton.cdiv(n_rows, tiles.block_n)
+    row_steps = min(_MAX_ROW_STEPS, max(1, triton.cdiv(row_tiles * n_col_tiles, _target_programs(x.device))))
+    n_chunks = triton.cdiv(row_tiles, row_steps)
+    programs = n_chunks * n_col_tiles
+    _check_grid(programs)
+
+    dx = torch.empty((n_rows, hidden_size), dtype=x.dtype, device=x.device)
+    ddelta_dtype = delta.dtype if tiles.j_tiles == 1 else acc_dtype
+    ddelta = torch.empty((tiles.j_tiles, n_rows, kernel_size, num_groups), dtype=ddelta_dtype, device=x.device)
+    dbase_partial = torch.empty((n_chunks, kernel_size, hidden_size), dtype=acc_dtype, device=x.device)
+    args = dict(
+        dy_ptr=dy, x_ptr=x, delta_ptr=delta, base_ptr=base_x,
+        dx_ptr=dx, ddelta_ptr=ddelta, dbase_partial_ptr=dbase_partial,
+        n_rows=n_rows, hidden_size=hidden_size, num_groups=num_groups, block_size=block_size,
+        n_col_tiles=n_col_tiles, row_steps=row_steps,
+        stride_dy_row=dy.stride(0), stride_x_row=x.stride(0), stride_delta_row=delta.stride(0),
+        stride_delta_tap=delta.stride(1), stride_base_tap=base_x.stride(0),
+    )
+    constexprs = dict(
+        KERNEL_SIZE=kernel_size,
+        KERNEL_SIZE_POW2=triton.next_power_of_2(kernel_size),
+        GROUP_SIZE=group_size,
+        ACC_DTYPE=_TL_DTYPES[acc_dtype],
+        BLOCK_N=tiles.block_n,
+        BLOCK_G=tiles.block_g,
+        BLOCK_J=tiles.block_j,
+    )
+    launch = KernelLaunch(grouped_dynamic_conv_bwd_kernel, programs, args, constexprs, tiles.num_warps)
+    return launch, dx, ddelta, dbase_partial
+
+
+def conv_forward_triton(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """out: [N, H] out_dtype from x [N, H], delta [N, K, G], base [K, H]."""
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    plan_conv_forward(x, delta, base.to(x.dtype), out, block_size).run(x)
+    return out
+
+
+def conv_backward_triton(
+    dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [N, H] x.dtype, ddelta [N, K, G] delta.dtype, dbase [K, H] base.dtype)."""
+    if x.numel() == 0:
+        return (
+            torch.zeros(x.shape, dtype=x.dtype, device=x.device),
+            torch.zeros(delta.shape, dtype=delta.dtype, device=x.device),
+            torch.zeros(base.shape, dtype=base.dtype, device=x.device),
+        )
+    acc_dtype = accumulator_dtype(dy, x, delta, base)
+    launch, dx, ddelta, dbase_partial = plan_conv_backward(dy, x, delta, base.to(x.dtype), block_size, acc_dtype)
+    launch.run(x)
+    ddelta = ddelta[0] if ddelta.shape[0] == 1 else ddelta.sum(0).to(delta.dtype)
+    return dx, ddelta, dbase_partial.sum(0).to(base.dtype)

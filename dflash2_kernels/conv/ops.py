@@ -1,0 +1,165 @@
+"""The grouped dynamic conv as ``torch.library`` custom ops: the one place defining it.
+
+``dflash2::grouped_dynamic_conv`` and its backward are opaque to ``torch.compile``
+(a fake impl gives shapes and dtypes), carry autograd, and pick an implementation
+per call: Triton for CUDA tensors (or anywhere when ``DFLASH2_BACKEND=triton``),
+the vectorized PyTorch path otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from .._backend import selected_backend, triton_importable
+from .vectorized import conv_backward_vectorized, conv_forward_vectorized
+
+__all__ = ["grouped_dynamic_conv"]
+
+
+def _flatten(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., H], [..., K, G], [K, H] -> [N, H], [N, K, G], [K, H], unit last stride.
+
+    Leading dims collapse as views whenever strides allow (a side of the projection's
+    ``[..., 2, K, G]`` view does), so delta and row-strided x are not copied.
+    """
+    hidden_size = x.shape[-1]
+    kernel_size, num_groups = delta.shape[-2], delta.shape[-1]
+    x2 = x.reshape(-1, hidden_size)
+    d3 = delta.reshape(-1, kernel_size, num_groups)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if d3.stride(-1) != 1:
+        d3 = d3.contiguous()
+    if base.stride(-1) != 1:
+        base = base.contiguous()
+    return x2, d3, base
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return False
+    backend = selected_backend()
+    if backend == "triton":
+        if not triton_importable():
+            raise RuntimeError("DFLASH2_BACKEND=triton, but triton cannot be imported.")
+        from .launch import KERNELS_INTERPRETED
+
+        if not x.is_cuda and not KERNELS_INTERPRETED:
+            raise RuntimeError(
+                f"DFLASH2_BACKEND=triton got {x.device.type} tensors: Triton runs CUDA tensors, "
+                "or CPU tensors when TRITON_INTERPRET=1 is set before dflash2_kernels is imported."
+            )
+        return True
+    return x.is_cuda and triton_importable()
+
+
+@torch.library.custom_op("dflash2::grouped_dynamic_conv", mutates_args=())
+def grouped_dynamic_conv_op(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+) -> torch.Tensor:
+    """x [..., H], delta [..., K, H/gs], base [K, H] -> [..., H] promote(x, delta)."""
+    reference.check_grouped_dynamic_conv_args(x, delta, base, block_size, group_size)
+    out_dtype = torch.promote_types(x.dtype, delta.dtype)
+    if x.numel() == 0:
+        return x.new_empty(x.shape, dtype=out_dtype)
+    x2, d3, base = _flatten(x, delta, base)
+    if _use_triton(x2):
+        from .launch import conv_forward_triton
+
+        out = conv_forward_triton(x2, d3, base, block_size, out_dtype)
+    else:
+        out = conv_forward_vectorized(x2, d3, base, block_size, out_dtype)
+    return out.view(x.shape)
+
+
+@grouped_dynamic_conv_op.register_fake
+def _(x, delta, base, block_size, group_size):
+    reference.check_grouped_dynamic_conv_args(x, delta, base, block_size, group_size)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, delta.dtype))
+
+
+@torch.library.custom_op("dflash2::grouped_dynamic_conv_backward", mutates_args=())
+def grouped_dynamic_conv_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    base: torch.Tensor,
+    block_size: int,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx like x, ddelta [..., K, G] in delta's dtype, dbase [K, H] in base's dtype)."""
+    reference.check_grouped_dynamic_conv_args(x, delta, base, block_size, group_size)
+    if x.numel() == 0:
+        return (
+            torch.zeros(x.shape, dtype=x.dtype, device=x.device),
+            torch.zeros(delta.shape, dtype=delta.dtype, device=x.device),
+            torch.zeros(base.shape, dtype=base.dtype, device=x.device),
+        )
+    x2, d3, base2 = _flatten(x, delta, base)
+    dy = grad_out.reshape(x2.shape)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    if _use_triton(x2):
+        from .launch import conv_backward_triton
+
+        dx, ddelta, dbase = conv_backward_triton(dy, x2, d3, base2, block_size)
+    else:
+        dx, ddelta, dbase = conv_backward_vectorized(dy, x2, d3, base2, block_size)
+    return dx.view(x.shape), ddelta.view(delta.shape), dbase
+
+
+@grouped_dynamic_conv_backward_op.register_fake
+def _(grad_out, x, delta, base, block_size, group_size):
+    return (
+        x.new_empty(x.shape),
+        delta.new_empty(delta.shape),
+        base.new_empty(base.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, delta, base, block_size, group_size = inputs
+    ctx.save_for_backward(x, delta, base)
+    ctx.block_size = block_size
+    ctx.group_size = group_size
+
+
+def _backward(ctx, grad_out):
+    x, delta, base = ctx.saved_tensors
+    dx, ddelta, dbase = grouped_dynamic_conv_backward_op(
+        grad_out, x, delta, base, ctx.block_size, ctx.group_size
+    )
+    return dx, ddelta, dbase, None, None
+
+
+grouped_dynamic_conv_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_dynamic_conv(
+    hidden_states: torch.Tensor,
+    delta_kernel: torch.Tensor,
+    base_kernel: torch.Tensor,
+    *,
+    block_size: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Drop-in for speculators' ``grouped_dynamic_conv`` (SPEC section 1).
+
+    hidden_states: [..., H] float; delta_kernel: [..., K, H // group_size] float, any
+    strides (typically one side of ``kernel_projection(h).view(..., 2, K, G)``);
+    base_kernel: [K, H] float. Returns [..., H] in
+    ``promote_types(hidden_states.dtype, delta_kernel.dtype)``; gradients flow to all
+    three tensors. Raises speculators' ValueErrors for bad shapes.
+    """
+    if selected_backend() == "reference":
+        return reference.grouped_dynamic_conv(
+            hidden_states, delta_kernel, base_kernel, block_size=block_size, group_size=group_size
+        )
+    # Checked here too, so a float block_size gets this message, not the schema's cast error.
+    reference.check_grouped_dynamic_conv_args(
+        hidden_states, delta_kernel, base_kernel, block_size, group_size
+    )
+    return grouped_dynamic_conv_op(hidden_states, delta_kernel, base_kernel, block_size, group_size)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The one script for a GPU machine: build, the whole test suite (GPU tests included),
+# the benchmarks. Everything it prints is also written under $OUT (default ./gpu_check_out).
+#   bash scripts/gpu_check.sh            # about 5 minutes on one H200
+# Uses the machine's python3 and its torch/triton; needs no network.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
+  echo "commit ${DFLASH2_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
+} 2>&1 | tee "$OUT/env.txt"
+
+"$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+
+timeout 270 "$PY" -m pytest -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || status=1
+timeout 200 "$PY" benchmarks/bench_conv.py --out "$OUT/bench_conv.jsonl" 2>&1 | tee "$OUT/bench_conv.txt" || status=1
+exit $status

@@ -1,0 +1,47 @@
+"""Test set-up: where Triton runs, the GPU marker, NaN-poisoned allocations.
+
+Without CUDA, Triton kernels run under the interpreter on CPU tensors; that must be
+decided before ``triton.jit`` wraps the kernels, so it happens here, before any test
+module imports dflash2_kernels. With CUDA the same tests run the compiled kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(monkeypatch):
+    monkeypatch.delenv("DFLASH2_BACKEND", raising=False)
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Make every floating ``torch.empty`` NaN, so an unwritten output element fails."""
+    original = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = original(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    return poisoned

@@ -1,0 +1,96 @@
+"""Ahead-of-time compilation of the launchers' Triton kernels for a GPU that is not here.
+
+Run as ``python -m tests.triton_aot`` in a process without ``TRITON_INTERPRET``:
+under the interpreter even triton.language's own helpers (``tl.zeros``) are
+interpreter objects and cannot be compiled. It reads a JSON list of conv
+configurations on stdin and prints, per configuration and kernel, the sm_90
+resource usage (or the compile error). Signatures and divisibility hints come from
+Triton's own run-time specializer, so what compiles here is what the launcher would
+JIT on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_launch(launch, target: GPUTarget = SM90):
+    """Compile a ``KernelLaunch`` for ``target``; returns Triton's compiled kernel."""
+    fn = launch.kernel
+    signature, constexprs, attrs = {}, dict(launch.constexprs), {}
+    for index, name in enumerate(fn.arg_names):
+        if name in launch.constexprs:
+            signature[name] = "constexpr"
+            continue
+        kind, hint = native_specialize_impl(BaseBackend, launch.args[name], False, True, True)
+        if kind == "constexpr":  # Triton specializes ints equal to 1
+            signature[name] = "constexpr"
+            constexprs[name] = hint
+            continue
+        signature[name] = kind
+        if hint == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options={"num_warps": launch.num_warps})
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """Registers, local (spill) bytes, stack and shared memory of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        dump = subprocess.run(
+            [_CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|STACK|SHARED):(\d+)", dump))
+    return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"]),
+            "stack": int(fields["STACK"]), "shared": int(fields["SHARED"])}
+
+
+def conv_plans(hidden: int, group_size: int, taps: int, dtypes: list[str], rows: int = 4096) -> dict:
+    """The forward and backward launches the conv launchers plan for one configuration."""
+    from dflash2_kernels.conv import launch
+
+    x_dtype, delta_dtype, base_dtype = (getattr(torch, name) for name in dtypes)
+    x = torch.empty(rows, hidden, dtype=x_dtype, device="meta")
+    delta = torch.empty(rows, 2, taps, hidden // group_size, dtype=delta_dtype, device="meta")[:, 1]
+    base_x = torch.empty(taps, hidden, dtype=base_dtype, device="meta").to(x_dtype)
+    out_dtype = torch.promote_types(x_dtype, delta_dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device="meta")
+    forward = launch.plan_conv_forward(x, delta, base_x, out, block_size=8)
+    acc = launch.accumulator_dtype(out, x, delta, base_x)
+    backward, *_ = launch.plan_conv_backward(out, x, delta, base_x, 8, acc)
+    return {"forward": forward, "backward": backward}
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("tests.triton_aot must run without TRITON_INTERPRET=1")
+    results = {}
+    for config in json.load(sys.stdin):
+        key = json.dumps(config)
+        results[key] = {}
+        for kernel, plan in conv_plans(*config).items():
+            try:
+                results[key][kernel] = resource_usage(compile_launch(plan))
+            except Exception as error:  # reported per configuration by the test
+                results[key][kernel] = {"error": f"{type(error).__name__}: {error}"}
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
