@@ -68,11 +68,12 @@ def minimal_bytes(shape: Shape, backward: bool) -> int:
     n_x = shape.rows * shape.hidden
     n_delta = shape.rows * shape.taps * (shape.hidden // shape.group_size)
     n_base = shape.taps * shape.hidden
-    forward = n_x * size(x_dtype) + n_delta * size(delta_dtype) + n_base * size(base_dtype) + n_x * out_size
+    inputs = n_x * size(x_dtype) + n_delta * size(delta_dtype) + n_base * size(base_dtype)
+    forward = inputs + n_x * out_size  # read x, delta, base; write out
     if not backward:
         return forward
-    # backward reads dy, x, delta, base and writes dx, ddelta, dbase
-    return forward + n_x * out_size + forward - n_x * out_size + n_x * size(x_dtype)
+    # the backward reads dy, x, delta, base and writes dx, ddelta, dbase (each input's size)
+    return forward + n_x * out_size + 2 * inputs
 
 
 def main() -> None:

@@ -17,11 +17,17 @@ __all__ = [
 ]
 
 
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _require_tensor(name: str, value) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
-    if not value.is_floating_point():
-        raise TypeError(f"{name} must have a floating-point dtype, got {value.dtype}.")
+    if value.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating-point dtype (float16, bfloat16, float32 or float64), "
+            f"got {value.dtype}."
+        )
 
 
 def _require_positive_int(name: str, value) -> None:

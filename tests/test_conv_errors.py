@@ -36,9 +36,10 @@ ERROR_CASES = [
     (dict(group_size=0), ValueError, "group_size must be >= 1, got 0."),
     (dict(group_size=-16), ValueError, "group_size must be >= 1, got -16."),
     (dict(block_size=8.0), TypeError, "block_size must be an int, got float."),
-    (dict(x=torch.ones(2, 8, 32, dtype=torch.int32)), TypeError, "hidden_states must have a floating-point dtype, got torch.int32."),
-    (dict(delta=torch.ones(2, 8, 2, 2, dtype=torch.long)), TypeError, "delta_kernel must have a floating-point dtype, got torch.int64."),
-    (dict(base=torch.ones(2, 32, dtype=torch.bool)), TypeError, "base_kernel must have a floating-point dtype, got torch.bool."),
+    (dict(x=torch.ones(2, 8, 32, dtype=torch.int32)), TypeError, "hidden_states must have a floating-point dtype (float16, bfloat16, float32 or float64), got torch.int32."),
+    (dict(delta=torch.ones(2, 8, 2, 2, dtype=torch.long)), TypeError, "delta_kernel must have a floating-point dtype (float16, bfloat16, float32 or float64), got torch.int64."),
+    (dict(base=torch.ones(2, 32, dtype=torch.bool)), TypeError, "base_kernel must have a floating-point dtype (float16, bfloat16, float32 or float64), got torch.bool."),
+    (dict(delta=torch.ones(2, 8, 2, 2, dtype=torch.float8_e4m3fn)), TypeError, "got torch.float8_e4m3fn."),
     (dict(x=[1.0, 2.0]), TypeError, "hidden_states must be a torch.Tensor, got list."),
     (dict(x=torch.tensor(1.0)), ValueError, "hidden_states must have at least one dimension [..., hidden_size]."),
     (dict(base=torch.randn(2, 32, device="meta")), ValueError, "must be on one device, got cpu, cpu and meta."),
@@ -46,7 +47,7 @@ ERROR_CASES = [
 
 
 @pytest.mark.parametrize("conv", CONV_FUNCTIONS)
-@pytest.mark.parametrize("change,error,message", ERROR_CASES, ids=[c[2][:40] for c in ERROR_CASES])
+@pytest.mark.parametrize("change,error,message", ERROR_CASES, ids=[f"{i}-{next(iter(c[0]))}" for i, c in enumerate(ERROR_CASES)])
 def test_conv_rejects_bad_arguments(conv, change, error, message):
     x, delta, base = _inputs()
     args = dict(x=x, delta=delta, base=base, block_size=8, group_size=16)

@@ -39,8 +39,6 @@ def _flatten(
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        return False
     backend = selected_backend()
     if backend == "triton":
         if not triton_importable():
