@@ -31,7 +31,8 @@ def _require_tensor(name: str, value) -> None:
 
 
 def _require_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # SymInt: torch.compile may hand the op's int arguments over as symbols.
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}.")
