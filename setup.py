@@ -1,7 +1,96 @@
-"""Build script. The package is pure Python (Triton kernels JIT-compile at run time);
-install with ``pip install --no-build-isolation .`` so the build sees the torch that is
-already installed instead of pulling a second one."""
+"""Build the dflash2_kernels extension.
+
+    pip install --no-build-isolation .      # the build sees the torch already installed
+
+A CUDA build (``CUDAExtension``: C++ CPU kernels + CUDA kernels) when a CUDA toolkit
+and a CUDA build of torch are present, also with no GPU visible; a CPU-only build
+(``CppExtension``) otherwise. Switches:
+
+- ``DFLASH2_BUILD_CUDA=1`` forces the CUDA build (fails if impossible), ``=0`` skips it;
+- ``TORCH_CUDA_ARCH_LIST`` picks the architectures (default ``9.0+PTX``: sm_90 code plus
+  PTX that later GPUs JIT-compile). It is never left to detection: with no GPU
+  visible, detection yields an empty list;
+- ``MAX_JOBS`` bounds parallel compile jobs (torch's own switch).
+
+The Triton kernels need no build: they compile at run time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
 
 from setuptools import setup
 
-setup()
+
+def _find_cuda_home() -> str | None:
+    """A CUDA toolkit directory holding bin/nvcc and include/cuda_runtime.h."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+        # A wrapper script (`exec /opt/cuda-X/bin/nvcc "$@"`) hides the toolkit; read it.
+        with open(nvcc, "rb") as script:
+            head = script.read(4096)
+        if head.startswith(b"#!"):
+            for word in head.decode(errors="ignore").split():
+                if word.endswith("/bin/nvcc"):
+                    candidates.append(os.path.dirname(os.path.dirname(word)))
+    for home in candidates:
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+            os.path.join(home, "include", "cuda_runtime.h")
+        ):
+            return home
+    return None
+
+
+def _want_cuda(torch) -> bool:
+    switch = os.environ.get("DFLASH2_BUILD_CUDA", "auto").lower()
+    possible = torch.version.cuda is not None and os.environ.get("CUDA_HOME") is not None
+    if switch in ("0", "false", "no"):
+        return False
+    if switch in ("1", "true", "yes"):
+        if not possible:
+            raise RuntimeError(
+                "DFLASH2_BUILD_CUDA=1 but no CUDA build is possible: "
+                f"torch.version.cuda={torch.version.cuda}, CUDA toolkit={os.environ.get('CUDA_HOME')}"
+            )
+        return True
+    return possible
+
+
+def _extensions():
+    cuda_home = _find_cuda_home()
+    if cuda_home and "CUDA_HOME" not in os.environ:
+        os.environ["CUDA_HOME"] = cuda_home  # read by torch.utils.cpp_extension at import
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DDFLASH2_WITH_OPENMP"]
+    cpu_sources = sorted(glob.glob("csrc/*.cpp"))
+    cuda_glue = [s for s in cpu_sources if s.endswith("_cuda.cpp")]
+    cpu_sources = [s for s in cpu_sources if s not in cuda_glue]
+    if _want_cuda(torch):
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
+        extension = CUDAExtension(
+            "dflash2_kernels._C",
+            cpu_sources + cuda_glue + sorted(glob.glob("csrc/kernels/*.cu")),
+            include_dirs=[os.path.abspath("csrc")],
+            define_macros=[("DFLASH2_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        extension = CppExtension(
+            "dflash2_kernels._C",
+            cpu_sources,
+            include_dirs=[os.path.abspath("csrc")],
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    return [extension], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,27 @@
+"""The compiled extension, when it was built: ``dflash2_kernels._C``.
+
+Importing it registers the C++ ops (``torch.ops.dflash2.*``) and their CPU and, in a
+CUDA build, CUDA kernels. A pure-Python install (no build) leaves the ops missing;
+callers fall back to the PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _C  # noqa: F401
+
+    EXTENSION_LOADED = True
+    EXTENSION_ERROR: str | None = None
+except ImportError as error:  # not built: pure-Python fallbacks take over
+    EXTENSION_LOADED = False
+    EXTENSION_ERROR = str(error)
+
+
+def has_kernel(op_name: str, device_type: str) -> bool:
+    """Whether ``torch.ops.dflash2.<op_name>`` has a kernel for ``device_type``."""
+    if not EXTENSION_LOADED:
+        return False
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash2::{op_name}", key)
