@@ -67,7 +67,8 @@ def _extensions():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DDFLASH2_WITH_OPENMP"]
+    # No -std: torch.utils.cpp_extension picks the standard its headers need (C++20 for torch 2.14).
+    cxx_flags = ["-O3", "-fopenmp"]
     cpu_sources = sorted(glob.glob("csrc/*.cpp"))
     cuda_glue = [s for s in cpu_sources if s.endswith("_cuda.cpp")]
     cpu_sources = [s for s in cpu_sources if s not in cuda_glue]
@@ -78,7 +79,7 @@ def _extensions():
             cpu_sources + cuda_glue + sorted(glob.glob("csrc/kernels/*.cu")),
             include_dirs=[os.path.abspath("csrc")],
             define_macros=[("DFLASH2_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
     else:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import reference
 from .conv import grouped_dynamic_conv
+from .selector import pair_scores, score_candidates, transition_scores
 
-__all__ = ["GroupedDynamicCausalConv"]
+__all__ = ["CandidateSelector", "GroupedDynamicCausalConv"]
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -77,3 +79,106 @@ class GroupedDynamicCausalConv(nn.Module):
             f"hidden_size={self.base_kernel.shape[-1]}, block_size={self.block_size}, "
             f"kernel_size={self.kernel_size}, group_size={self.group_size}"
         )
+
+
+class CandidateSelector(nn.Module):
+    """The DFlash 2 candidate selector (speculators' and NeMo's), on the fused kernels.
+
+    Parameters (the checkpoint keys, as upstream): ``predecessor_codebook`` A [V, r],
+    ``successor_codebook`` B [V, r], ``hidden_projection.weight`` W [r, H]. Positional
+    arguments follow NeMo (vocab_size, hidden_size, rank, top_k); speculators passes
+    the same names by keyword.
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, rank: int, top_k: int, initializer_range: float = 0.02
+    ) -> None:
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("rank", rank),
+                            ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if top_k > vocab_size:
+            raise ValueError(f"top_k ({top_k}) cannot exceed vocab_size ({vocab_size}).")
+        self.top_k = top_k
+        self.initializer_range = initializer_range
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """speculators' initialisation: every parameter ~ N(0, initializer_range)."""
+        for parameter in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(parameter, std=self.initializer_range)
+
+    def context(self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor) -> torch.Tensor:
+        """A[pred] * W h in the codebook dtype: [..., r] (speculators)."""
+        return reference.selector_context(
+            self.predecessor_codebook, self.hidden_projection(hidden_states), predecessor_ids
+        )
+
+    def transition_scores(
+        self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """T(pred, cand_j) for each candidate: [..., k] in the codebook dtype."""
+        return transition_scores(
+            self.hidden_projection(hidden_states),
+            self.predecessor_codebook,
+            self.successor_codebook,
+            predecessor_ids,
+            candidate_ids,
+        )
+
+    def score_candidates(
+        self,
+        unary_logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+        candidate_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """U[..., cand_j] + T(pred, cand_j): [..., k] in unary_logits' dtype (speculators)."""
+        return score_candidates(
+            unary_logits,
+            self.hidden_projection(hidden_states),
+            self.predecessor_codebook,
+            self.successor_codebook,
+            predecessor_ids,
+            candidate_ids,
+        )
+
+    def select(
+        self,
+        unary_logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+        top_k: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unary top-k ids [..., k], their scores [..., k]) (speculators)."""
+        candidate_ids = unary_logits.topk(top_k or self.top_k, dim=-1).indices
+        return candidate_ids, self.score_candidates(unary_logits, hidden_states, predecessor_ids, candidate_ids)
+
+    def pair_scores(
+        self,
+        hidden: torch.Tensor,
+        unary: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """NeMo's ``pair_scores``: unary [..., k] already gathered; dtypes promote."""
+        return pair_scores(
+            self.hidden_projection(hidden),
+            unary,
+            self.predecessor_codebook,
+            self.successor_codebook,
+            candidate_ids,
+            predecessor_ids,
+        )
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """The training entry point: :meth:`score_candidates`."""
+        return self.score_candidates(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        vocab, rank = self.predecessor_codebook.shape
+        return f"vocab_size={vocab}, hidden_size={self.hidden_projection.in_features}, rank={rank}, top_k={self.top_k}"

@@ -167,3 +167,65 @@ def nemo_grouped_dynamic_convolve(
         output = output + kernel * values
         output = torch.addcmul(output, taps[:, :, :, tap], values)
     return output.reshape(batch, seq_len, hidden_size)
+
+
+# --- Candidate selector (SPEC section 2) ------------------------------------------
+
+
+def selector_context(
+    predecessor_codebook: torch.Tensor, projected: torch.Tensor, predecessor_ids: torch.Tensor
+) -> torch.Tensor:
+    """speculators' ``context``: A[pred] * P, in the codebook dtype. [..., r]."""
+    predecessor = predecessor_codebook[predecessor_ids.long()]
+    return predecessor * projected.to(predecessor.dtype)
+
+
+def selector_transition_scores(
+    projected: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+    candidate_ids: torch.Tensor,
+) -> torch.Tensor:
+    """T[..., j] = sum_rho A[pred, rho] P[rho] B[cand_j, rho], codebook dtype. [..., k].
+
+    Materialises [..., k, r], as upstream does.
+    """
+    context = selector_context(predecessor_codebook, projected, predecessor_ids)
+    successors = successor_codebook[candidate_ids.long()]
+    return (context.unsqueeze(-2) * successors).sum(dim=-1)
+
+
+def selector_score_candidates(
+    unary_logits: torch.Tensor,
+    projected: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+    candidate_ids: torch.Tensor,
+) -> torch.Tensor:
+    """speculators' ``score_candidates`` given P = hidden_projection(h).
+
+    unary_logits [..., V], projected [..., r], codebooks [V, r], predecessor_ids [...],
+    candidate_ids [..., k] -> [..., k] in unary_logits' dtype: U gathered at the
+    candidates plus the transition scores cast to U's dtype.
+    """
+    unary = unary_logits.gather(-1, candidate_ids.long())
+    transition = selector_transition_scores(
+        projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
+    )
+    return unary + transition.to(unary.dtype)
+
+
+def selector_pair_scores(
+    projected: torch.Tensor,
+    unary: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+) -> torch.Tensor:
+    """NeMo's ``pair_scores`` given P: unary [..., k] already gathered; dtypes promote."""
+    gate = torch.nn.functional.embedding(predecessor_ids.long(), predecessor_codebook) * projected
+    successors = torch.nn.functional.embedding(candidate_ids.long(), successor_codebook)
+    return unary + torch.einsum("...r,...kr->...k", gate, successors)

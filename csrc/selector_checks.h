@@ -1,0 +1,86 @@
+// Argument checks and dtype mapping shared by the selector's CPU and CUDA bindings.
+// The Python wrappers validate first with friendlier messages; these keep a direct
+// call of torch.ops.dflash2.* from ever reaching a kernel with bad operands.
+#pragma once
+
+#include <torch/all.h>
+
+#include "kernels/selector_math.h"
+
+namespace dflash2 {
+
+struct SelectorShape {
+  int64_t rows;
+  int64_t vocab;
+  int64_t rank;
+  int64_t top_k;
+};
+
+inline DType to_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default: TORCH_CHECK_TYPE(false, "unsupported dtype ", type, "; expected float16, bfloat16, float32 or float64");
+  }
+  return DType::kFloat32;
+}
+
+inline bool is_supported_float(at::ScalarType type) {
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16 || type == at::kDouble;
+}
+
+inline SelectorShape check_selector_operands(const at::Tensor& projected, const at::Tensor& predecessor_codebook,
+                                             const at::Tensor& successor_codebook, const at::Tensor& predecessor_ids,
+                                             const at::Tensor& candidate_ids) {
+  TORCH_CHECK_VALUE(projected.dim() == 2, "projected must be [N, r], got ", projected.sizes());
+  TORCH_CHECK_VALUE(predecessor_codebook.dim() == 2, "predecessor_codebook must be [V, r], got ",
+                    predecessor_codebook.sizes());
+  TORCH_CHECK_VALUE(successor_codebook.sizes() == predecessor_codebook.sizes(),
+                    "successor_codebook must have predecessor_codebook's shape ", predecessor_codebook.sizes(),
+                    ", got ", successor_codebook.sizes());
+  const SelectorShape shape{projected.size(0), predecessor_codebook.size(0), projected.size(1),
+                            candidate_ids.dim() == 2 ? candidate_ids.size(1) : -1};
+  TORCH_CHECK_VALUE(predecessor_codebook.size(1) == shape.rank, "codebooks must be [V, ", shape.rank,
+                    "] to match projected, got ", predecessor_codebook.sizes());
+  TORCH_CHECK_VALUE(candidate_ids.dim() == 2 && candidate_ids.size(0) == shape.rows, "candidate_ids must be [",
+                    shape.rows, ", k], got ", candidate_ids.sizes());
+  TORCH_CHECK_VALUE(predecessor_ids.dim() == 1 && predecessor_ids.size(0) == shape.rows, "predecessor_ids must be [",
+                    shape.rows, "], got ", predecessor_ids.sizes());
+  TORCH_CHECK_TYPE(predecessor_ids.scalar_type() == at::kLong && candidate_ids.scalar_type() == at::kLong,
+                   "predecessor_ids and candidate_ids must be int64, got ", predecessor_ids.scalar_type(), " and ",
+                   candidate_ids.scalar_type());
+  TORCH_CHECK_TYPE(is_supported_float(predecessor_codebook.scalar_type()),
+                   "codebooks must be float16, bfloat16, float32 or float64, got ", predecessor_codebook.scalar_type());
+  TORCH_CHECK_TYPE(successor_codebook.scalar_type() == predecessor_codebook.scalar_type(),
+                   "both codebooks must share a dtype, got ", predecessor_codebook.scalar_type(), " and ",
+                   successor_codebook.scalar_type());
+  TORCH_CHECK_TYPE(projected.scalar_type() == predecessor_codebook.scalar_type() ||
+                       projected.scalar_type() == at::kFloat,
+                   "projected must have the codebooks' dtype or float32, got ", projected.scalar_type());
+  for (const at::Tensor* t : {&projected, &predecessor_codebook, &successor_codebook}) {
+    TORCH_CHECK_VALUE(t->size(1) <= 1 || t->stride(1) == 1, "projected and codebooks need a unit last stride");
+  }
+  for (const at::Tensor* t : {&predecessor_codebook, &successor_codebook, &predecessor_ids, &candidate_ids}) {
+    TORCH_CHECK_VALUE(t->device() == projected.device(), "all selector operands must be on one device, got ",
+                      projected.device(), " and ", t->device());
+  }
+  return shape;
+}
+
+inline void check_unary(const at::Tensor& unary, bool unary_gathered, const SelectorShape& shape,
+                        const at::Tensor& projected) {
+  TORCH_CHECK_VALUE(unary.dim() == 2 && unary.size(0) == shape.rows, "unary must be [", shape.rows,
+                    ", V or k], got ", unary.sizes());
+  TORCH_CHECK_VALUE(!unary_gathered || unary.size(1) == shape.top_k, "gathered unary must be [", shape.rows, ", ",
+                    shape.top_k, "], got ", unary.sizes());
+  TORCH_CHECK_VALUE(unary_gathered || unary.size(1) == shape.vocab, "unary logits must be [", shape.rows, ", ",
+                    shape.vocab, "], got ", unary.sizes());
+  TORCH_CHECK_VALUE(unary.size(1) <= 1 || unary.stride(1) == 1, "unary needs a unit last stride");
+  TORCH_CHECK_TYPE(is_supported_float(unary.scalar_type()), "unary must be float16, bfloat16, float32 or float64, got ",
+                   unary.scalar_type());
+  TORCH_CHECK_VALUE(unary.device() == projected.device(), "unary must be on ", projected.device());
+}
+
+}  // namespace dflash2

@@ -1,0 +1,120 @@
+// CUDA bindings of the selector ops: checks, allocations, the sorts that make dA and
+// dB deterministic, and the launch on the current stream. Kernels: kernels/selector_kernels.cu.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/all.h>
+
+#include "kernels/selector.cuh"
+#include "selector_checks.h"
+
+namespace dflash2 {
+namespace {
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+SelectorOperands make_operands(const at::Tensor& projected, const at::Tensor& predecessor_codebook,
+                               const at::Tensor& successor_codebook, const at::Tensor& predecessor_ids,
+                               const at::Tensor& candidate_ids, const SelectorShape& shape) {
+  const DType codebook_dtype = to_dtype(predecessor_codebook.scalar_type());
+  const bool vectorized = shape.rank % vector_width(codebook_dtype) == 0 && aligned16(projected) &&
+                          aligned16(predecessor_codebook) && aligned16(successor_codebook);
+  return SelectorOperands{projected.data_ptr(),
+                          to_dtype(projected.scalar_type()),
+                          projected.stride(0),
+                          predecessor_codebook.data_ptr(),
+                          successor_codebook.data_ptr(),
+                          codebook_dtype,
+                          predecessor_codebook.stride(0),
+                          successor_codebook.stride(0),
+                          predecessor_ids.data_ptr<int64_t>(),
+                          candidate_ids.data_ptr<int64_t>(),
+                          shape.rows,
+                          shape.vocab,
+                          shape.rank,
+                          shape.top_k,
+                          vectorized};
+}
+
+at::Tensor selector_scores_cuda(const at::Tensor& unary, const at::Tensor& projected,
+                                const at::Tensor& predecessor_codebook, const at::Tensor& successor_codebook,
+                                const at::Tensor& predecessor_ids, const at::Tensor& candidate_ids,
+                                bool unary_gathered, at::ScalarType out_dtype) {
+  const SelectorShape shape =
+      check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
+  check_unary(unary, unary_gathered, shape, projected);
+  const c10::cuda::CUDAGuard device_guard(projected.device());
+  const at::Tensor predecessors = predecessor_ids.contiguous();
+  const at::Tensor candidates = candidate_ids.contiguous();
+  at::Tensor scores = at::empty({shape.rows, shape.top_k}, projected.options().dtype(out_dtype));
+
+  const SelectorForwardParams params{
+      make_operands(projected, predecessor_codebook, successor_codebook, predecessors, candidates, shape),
+      unary.data_ptr(),
+      to_dtype(unary.scalar_type()),
+      unary.stride(0),
+      unary_gathered,
+      scores.data_ptr(),
+      to_dtype(out_dtype)};
+  C10_CUDA_CHECK(launch_selector_forward(params, c10::cuda::getCurrentCUDAStream()));
+  return scores;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backward_cuda(
+    const at::Tensor& grad_scores, const at::Tensor& projected, const at::Tensor& predecessor_codebook,
+    const at::Tensor& successor_codebook, const at::Tensor& predecessor_ids, const at::Tensor& candidate_ids,
+    bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype) {
+  const SelectorShape shape =
+      check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
+  TORCH_CHECK_VALUE(grad_scores.dim() == 2 && grad_scores.size(0) == shape.rows && grad_scores.size(1) == shape.top_k,
+                    "grad_scores must be [", shape.rows, ", ", shape.top_k, "], got ", grad_scores.sizes());
+  const c10::cuda::CUDAGuard device_guard(projected.device());
+  const at::Tensor grad = grad_scores.contiguous();
+  const at::Tensor predecessors = predecessor_ids.contiguous();
+  const at::Tensor candidates = candidate_ids.contiguous();
+  const auto options = projected.options();
+  const auto accumulator = predecessor_codebook.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+
+  at::Tensor grad_unary = unary_gathered ? grad.to(unary_dtype)
+                                         : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype));
+  at::Tensor grad_projected = at::empty({shape.rows, shape.rank}, options);
+  at::Tensor grad_predecessor = at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options());
+  at::Tensor grad_successor = at::zeros(successor_codebook.sizes(), successor_codebook.options());
+  at::Tensor projected_times_g = at::empty({shape.rows, shape.rank}, options.dtype(accumulator));
+  at::Tensor partials = at::empty(
+      {segment_chunks(shape.rows) + segment_chunks(shape.rows * shape.top_k), 2, shape.rank}, options.dtype(accumulator));
+  // Stable sorts group equal ids in row order: the segmented sums then add each id's
+  // terms in one fixed order, so dA and dB are bitwise reproducible without atomics.
+  const auto [predecessor_sorted, predecessor_order] = at::sort(predecessors, /*stable=*/true, 0, false);
+  const auto [candidate_sorted, candidate_order] = at::sort(candidates.view(-1), /*stable=*/true, 0, false);
+
+  const SelectorBackwardParams params{
+      make_operands(projected, predecessor_codebook, successor_codebook, predecessors, candidates, shape),
+      grad.data_ptr(),
+      to_dtype(grad.scalar_type()),
+      unary_gathered ? nullptr : grad_unary.data_ptr(),
+      to_dtype(unary_dtype),
+      unary_width,
+      grad_projected.data_ptr(),
+      grad_predecessor.data_ptr(),
+      grad_successor.data_ptr(),
+      projected_times_g.data_ptr(),
+      partials.data_ptr(),
+      predecessor_sorted.data_ptr<int64_t>(),
+      predecessor_order.data_ptr<int64_t>(),
+      candidate_sorted.data_ptr<int64_t>(),
+      candidate_order.data_ptr<int64_t>()};
+  C10_CUDA_CHECK(launch_selector_backward(params, c10::cuda::getCurrentCUDAStream()));
+  return {grad_unary, grad_projected, grad_predecessor, grad_successor};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dflash2, CUDA, m) {
+  m.impl("selector_scores", &selector_scores_cuda);
+  m.impl("selector_scores_backward", &selector_scores_backward_cuda);
+}
+
+}  // namespace dflash2

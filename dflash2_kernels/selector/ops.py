@@ -1,0 +1,203 @@
+"""The candidate selector's scoring op (SPEC section 2): Python registration over the
+C++ ops (schemas in csrc/registration.cpp, kernels in csrc/selector_*.cpp and
+csrc/kernels/), and the functional forms over plain tensors.
+
+``dflash2::selector_scores`` computes, per row n of the flattened leading dims,
+
+    S[n, j] = U[n, cand[n, j]] + sum_rho A[pred[n], rho] * P[n, rho] * B[cand[n, j], rho]
+
+without forming anything of size [N, k, r]; its backward op writes dU (at the
+gathered entries only), dP, and dA / dB summed over repeated ids, deterministically.
+Without the compiled extension the functions run the PyTorch reference instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from .._backend import selected_backend
+from .._extension import EXTENSION_LOADED
+
+__all__ = ["pair_scores", "score_candidates", "transition_scores"]
+
+_SUPPORTED = reference.SUPPORTED_DTYPES
+
+
+if EXTENSION_LOADED:
+
+    @torch.library.register_fake("dflash2::selector_scores")
+    def _(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+          unary_gathered, out_dtype):
+        return projected.new_empty((projected.shape[0], candidate_ids.shape[-1]), dtype=out_dtype)
+
+    @torch.library.register_fake("dflash2::selector_scores_backward")
+    def _(grad_scores, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+          unary_gathered, unary_width, unary_dtype):
+        return (
+            projected.new_empty((projected.shape[0], unary_width), dtype=unary_dtype),
+            projected.new_empty(projected.shape),
+            predecessor_codebook.new_empty(predecessor_codebook.shape),
+            successor_codebook.new_empty(successor_codebook.shape),
+        )
+
+    def _setup_context(ctx, inputs, output) -> None:
+        unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids, gathered, _ = inputs
+        ctx.save_for_backward(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids)
+        ctx.unary_gathered = gathered
+        ctx.unary_width = unary.shape[-1]
+        ctx.unary_dtype = unary.dtype
+
+    def _backward(ctx, grad_scores):
+        projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids = ctx.saved_tensors
+        # dU of full-vocabulary logits is a zero-filled [N, V] tensor; when U needs no
+        # gradient, ask for the gathered form instead (a cast of dS) and drop it.
+        wants_unary = ctx.needs_input_grad[0]
+        gathered = ctx.unary_gathered or not wants_unary
+        grad_unary, grad_projected, grad_predecessor, grad_successor = torch.ops.dflash2.selector_scores_backward(
+            grad_scores, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+            gathered, ctx.unary_width if not gathered else grad_scores.shape[-1], ctx.unary_dtype,
+        )
+        return (grad_unary if wants_unary else None, grad_projected, grad_predecessor, grad_successor,
+                None, None, None, None)
+
+    torch.library.register_autograd("dflash2::selector_scores", _backward, setup_context=_setup_context)
+
+
+def _check(name: str, tensor, *, floating: bool = True) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if floating and tensor.dtype not in _SUPPORTED:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {tensor.dtype}.")
+    if not floating and (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool):
+        raise TypeError(f"{name} must hold integer token ids, got {tensor.dtype}.")
+
+
+def _validate(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+              *, unary_gathered: bool) -> None:
+    """Clear Python errors, naming the argument, before anything reaches a kernel."""
+    for name, tensor in (("unary", unary), ("projected", projected),
+                         ("predecessor_codebook", predecessor_codebook), ("successor_codebook", successor_codebook)):
+        _check(name, tensor)
+    _check("predecessor_ids", predecessor_ids, floating=False)
+    _check("candidate_ids", candidate_ids, floating=False)
+    if predecessor_codebook.dim() != 2:
+        raise ValueError(f"predecessor_codebook must be [vocab_size, rank], got {tuple(predecessor_codebook.shape)}.")
+    if successor_codebook.shape != predecessor_codebook.shape:
+        raise ValueError(
+            f"successor_codebook must have predecessor_codebook's shape {tuple(predecessor_codebook.shape)}, "
+            f"got {tuple(successor_codebook.shape)}."
+        )
+    if successor_codebook.dtype != predecessor_codebook.dtype:
+        raise TypeError(
+            f"the codebooks must share a dtype, got {predecessor_codebook.dtype} and {successor_codebook.dtype}."
+        )
+    vocab, rank = predecessor_codebook.shape
+    lead = tuple(predecessor_ids.shape)
+    if tuple(projected.shape) != (*lead, rank):
+        raise ValueError(f"projected must have shape {(*lead, rank)} (predecessor_ids' shape + rank), "
+                         f"got {tuple(projected.shape)}.")
+    if candidate_ids.dim() != len(lead) + 1 or tuple(candidate_ids.shape[:-1]) != lead:
+        raise ValueError(f"candidate_ids must have shape {(*lead, 'k')}, got {tuple(candidate_ids.shape)}.")
+    width = candidate_ids.shape[-1] if unary_gathered else vocab
+    if tuple(unary.shape) != (*lead, width):
+        what = "gathered unary scores" if unary_gathered else "unary_logits"
+        raise ValueError(f"{what} must have shape {(*lead, width)}, got {tuple(unary.shape)}.")
+    devices = {t.device for t in (unary, projected, predecessor_codebook, successor_codebook, predecessor_ids,
+                                  candidate_ids)}
+    if len(devices) > 1:
+        raise ValueError(f"all selector tensors must be on one device, got {sorted(map(str, devices))}.")
+
+
+def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+                  *, unary_gathered: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """Flatten the leading dims, normalise ids and P's dtype, run the op, restore dims."""
+    lead = predecessor_ids.shape
+    k = candidate_ids.shape[-1]
+    rank = predecessor_codebook.shape[1]
+    if projected.dtype != predecessor_codebook.dtype:
+        # The kernels read P in the codebook dtype or fp32; fp32 holds any P exactly.
+        projected = projected.float()
+    scores = torch.ops.dflash2.selector_scores(
+        unary.reshape(-1, unary.shape[-1]),
+        projected.reshape(-1, rank),
+        predecessor_codebook,
+        successor_codebook,
+        predecessor_ids.reshape(-1).long(),
+        candidate_ids.reshape(-1, k).long(),
+        unary_gathered,
+        out_dtype,
+    )
+    return scores.view(*lead, k)
+
+
+def _use_reference() -> bool:
+    return selected_backend() == "reference" or not EXTENSION_LOADED
+
+
+def score_candidates(
+    unary_logits: torch.Tensor,
+    projected: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+    candidate_ids: torch.Tensor,
+) -> torch.Tensor:
+    """speculators' ``score_candidates`` over plain tensors, fused.
+
+    unary_logits: [..., V] float; projected: [..., r] float (P = hidden_projection(h));
+    codebooks: [V, r] float, one dtype; predecessor_ids: [...] int; candidate_ids:
+    [..., k] int. Returns [..., k] in unary_logits' dtype. Ids must lie in [0, V): on
+    CPU others raise IndexError; on CUDA their scores come out NaN (never read out of
+    bounds).
+    """
+    if _use_reference():
+        return reference.selector_score_candidates(
+            unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
+        )
+    _validate(unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+              unary_gathered=False)
+    return _fused_scores(unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids,
+                         candidate_ids, unary_gathered=False, out_dtype=unary_logits.dtype)
+
+
+def transition_scores(
+    projected: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+    candidate_ids: torch.Tensor,
+) -> torch.Tensor:
+    """T[..., j] = sum_rho A[pred, rho] P[rho] B[cand_j, rho], in the codebook dtype."""
+    if _use_reference():
+        return reference.selector_transition_scores(
+            projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
+        )
+    zeros = predecessor_codebook.new_zeros(candidate_ids.shape)
+    _validate(zeros, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+              unary_gathered=True)
+    return _fused_scores(zeros, projected, predecessor_codebook, successor_codebook, predecessor_ids,
+                         candidate_ids, unary_gathered=True, out_dtype=predecessor_codebook.dtype)
+
+
+def pair_scores(
+    projected: torch.Tensor,
+    unary: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+) -> torch.Tensor:
+    """NeMo's ``pair_scores`` over plain tensors, fused: unary [..., k] already gathered.
+
+    Returns [..., k] in ``promote_types(unary, promote_types(codebooks, projected))``.
+    """
+    if _use_reference():
+        return reference.selector_pair_scores(
+            projected, unary, predecessor_codebook, successor_codebook, candidate_ids, predecessor_ids
+        )
+    _validate(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+              unary_gathered=True)
+    out_dtype = torch.promote_types(unary.dtype, torch.promote_types(predecessor_codebook.dtype, projected.dtype))
+    return _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids,
+                         candidate_ids, unary_gathered=True, out_dtype=out_dtype)
