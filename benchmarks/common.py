@@ -94,6 +94,35 @@ def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int = 20, reps
     return _summary(samples)
 
 
+def peak_extra_bytes(fn, device: torch.device) -> int | None:
+    """Peak memory ``fn()`` needs beyond what was allocated before it: the CUDA caching
+    allocator's peak on GPU; on Linux CPUs the process's peak resident set (reset
+    through /proc/self/clear_refs). None where neither is available."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
+        fn()
+        return (_status_kib("VmHWM") - before) * 1024
+    except OSError:
+        return None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
 def copy_bandwidth_gbps(device: torch.device) -> float:
     """Bytes read + written per second by a large device-to-device copy."""
     numel = (1 << 30) if device.type == "cuda" else (64 << 20)
@@ -160,18 +189,25 @@ class Row:
 
 
 def print_table(rows: list[Row], baseline_impl: str = "ours") -> None:
-    """A fixed-width table; speedups are the baseline's against each other implementation."""
+    """A fixed-width table; speedups are the baseline's against each other implementation.
+    Rows carrying ``extra['peak_extra_mib']`` get a memory column."""
     ours = {r.case: r for r in rows if r.impl == baseline_impl}
-    header = f"{'case':44} {'impl':16} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
+    with_memory = any("peak_extra_mib" in r.extra for r in rows)
+    header = f"{'case':44} {'impl':18} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
+    header += f" {'peak MiB':>9}" if with_memory else ""
     print(header)
     print("-" * len(header))
     for r in rows:
         base = ours.get(r.case)
         speedup = f"{r.timing.median_ms / base.timing.median_ms:7.2f}" if base and r is not base else "       "
-        print(
-            f"{r.case:44} {r.impl:16} {r.timing.median_ms:10.4f} {r.timing.p20_ms:9.4f} {r.timing.p80_ms:9.4f} "
+        line = (
+            f"{r.case:44} {r.impl:18} {r.timing.median_ms:10.4f} {r.timing.p20_ms:9.4f} {r.timing.p80_ms:9.4f} "
             f"{r.gbps:8.1f} {100 * r.gbps / r.copy_gbps:6.1f} {speedup}"
         )
+        if with_memory:
+            peak = r.extra.get("peak_extra_mib")
+            line += f" {peak:9.1f}" if peak is not None else f" {'-':>9}"
+        print(line)
 
 
 def write_records(rows: list[Row], env: dict, path: str | None) -> None:

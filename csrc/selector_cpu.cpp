@@ -63,6 +63,24 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
   }
 }
 
+// sum_rho x[rho] * y[rho] in kLanes independent partial sums: the compiler turns the
+// lanes into vector registers (a single running sum is a serial dependency it may not
+// reorder), and the lanes' pairwise combination loses less than one long chain.
+template <typename Acc, typename T>
+Acc lane_dot(const Acc* x, const T* y, int64_t length) {
+  constexpr int kLanes = 16;
+  Acc lanes[kLanes] = {};
+  int64_t rho = 0;
+  for (; rho + kLanes <= length; rho += kLanes) {
+    for (int i = 0; i < kLanes; ++i) lanes[i] += x[rho + i] * static_cast<Acc>(y[rho + i]);
+  }
+  for (int i = 0; rho < length; ++rho, ++i) lanes[i] += x[rho] * static_cast<Acc>(y[rho]);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  }
+  return lanes[0];
+}
+
 struct Rows {
   const at::Tensor& projected;
   const at::Tensor& predecessor_codebook;
@@ -96,9 +114,7 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
       }
       for (int64_t j = 0; j < shape.top_k; ++j) {
         const int64_t id = rows.candidate_ids[n * shape.top_k + j];
-        const W* b = b_table + id * b_stride;
-        Acc dot = 0;
-        for (int64_t rho = 0; rho < shape.rank; ++rho) dot += context[rho] * static_cast<Acc>(b[rho]);
+        const Acc dot = lane_dot(context.data(), b_table + id * b_stride, shape.rank);
         const int64_t column = unary_gathered ? j : id;
         const double total = load_dynamic(u, n * u_stride + column, unary.scalar_type()) + static_cast<double>(dot);
         store_dynamic(s, n * shape.top_k + j, scores.scalar_type(), total);

@@ -128,24 +128,26 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
       load_vector<VEC>(p_row + rho, p);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) context[i] = context_term(a[i], p[i]);
+      // Guards, not breaks: a fully unrolled loop keeps dots[] in registers.
 #pragma unroll
       for (int j = 0; j < kCandidatesPerPass; ++j) {
-        if (j >= count) break;
-        const int64_t id = candidates[first + j];
-        if (!id_in_range(id, op.vocab)) continue;
-        Acc b[VEC];
-        load_vector<VEC>(b_table + id * op.successor_row_stride + rho, b);
+        const int64_t id = j < count ? candidates[first + j] : -1;
+        if (id_in_range(id, op.vocab)) {
+          Acc b[VEC];
+          load_vector<VEC>(b_table + id * op.successor_row_stride + rho, b);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) dots[j] += context[i] * b[i];
+          for (int i = 0; i < VEC; ++i) dots[j] += context[i] * b[i];
+        }
       }
     }
 
     Acc mine = Acc(0);
 #pragma unroll
     for (int j = 0; j < kCandidatesPerPass; ++j) {
-      if (j >= count) break;
-      const Acc total = warp_sum(dots[j]);
-      if (j == lane) mine = total;
+      if (j < count) {
+        const Acc total = warp_sum(dots[j]);
+        if (j == lane) mine = total;
+      }
     }
     if (lane < count) {
       const int64_t j = first + lane;

@@ -1,0 +1,133 @@
+"""Benchmark the candidate selector's training op: ours vs the eager reference vs
+torch.compile of it.
+
+    python benchmarks/bench_selector.py [--out results.jsonl] [--no-compile] [--quick]
+
+Times ``CandidateSelector.score_candidates`` (the hidden projection, the gather of the
+unary logits at the top-k candidates, the bilinear transition scores) forward, and
+forward+backward with gradients for every input (the unary logits, the hidden
+states, the three parameters), as in training. Reports median / p20 / p80 ms, the
+peak memory beyond the inputs, and GB/s over the minimal bytes: each operand read
+once (for B: the k gathered rows per position), each output and gradient written
+once (the gradient of full-vocabulary logits is a dense [N, V] tensor, as autograd
+requires). On CUDA: N in {4096, 16384}, V = 248,320, r = 256, k = 16, H = 5120, bf16;
+on CPU: N = 4096, V = 32,000, H = 1024, fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dflash2_kernels as dk  # noqa: E402
+from dflash2_kernels import reference  # noqa: E402
+
+from common import (  # noqa: E402
+    Row, copy_bandwidth_gbps, environment, peak_extra_bytes, print_table, time_fn, write_records,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    rows: int
+    vocab: int
+    hidden: int
+    dtype: torch.dtype
+    rank: int = 256
+    top_k: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"N{self.rows} V{self.vocab} H{self.hidden} {str(self.dtype).removeprefix('torch.')}"
+
+
+GPU_SHAPES = [Shape(4096, 248_320, 5120, torch.bfloat16), Shape(16384, 248_320, 5120, torch.bfloat16)]
+CPU_SHAPES = [Shape(4096, 32_000, 1024, torch.float32)]
+
+
+def reference_score_candidates(selector, unary_logits, hidden, predecessor_ids, candidate_ids):
+    """speculators' score_candidates, as upstream computes it."""
+    return reference.selector_score_candidates(
+        unary_logits,
+        selector.hidden_projection(hidden),
+        selector.predecessor_codebook,
+        selector.successor_codebook,
+        predecessor_ids,
+        candidate_ids,
+    )
+
+
+def minimal_bytes(shape: Shape, backward: bool) -> int:
+    size = torch.empty((), dtype=shape.dtype).element_size()
+    n, k, r = shape.rows, shape.top_k, shape.rank
+    projection = (shape.hidden * r + n * shape.hidden + n * r) * size  # read W, h; write P
+    scores = (n * k + n * r + n * r + n * k * r + n * k) * size  # U at k ids, P, A rows, B rows; write S
+    forward = projection + scores
+    if not backward:
+        return forward
+    dense_grads = (n * shape.vocab + 2 * shape.vocab * r) * size  # dU, dA, dB are dense tensors
+    backward_bytes = (n * k + n * k * r + 2 * n * r + n * r) * size + dense_grads  # dS, B rows, A, P; write dP
+    backward_bytes += 2 * projection  # dh = dP W, dW = dP^T h
+    return forward + backward_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="append JSON records here")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    parser.add_argument("--quick", action="store_true", help="the first shape only")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device)
+    copy_gbps = copy_bandwidth_gbps(device)
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
+    print(f"# copy bandwidth (read + write): {copy_gbps:.1f} GB/s")
+
+    impls = {"ours": lambda s, *a: s.score_candidates(*a), "reference": reference_score_candidates}
+    if not args.no_compile:
+        impls["compiled reference"] = torch.compile(reference_score_candidates, dynamic=False)
+    shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    if args.quick:
+        shapes = shapes[:1]
+
+    rows: list[Row] = []
+    for shape in shapes:
+        torch.manual_seed(0)
+        selector = dk.CandidateSelector(shape.vocab, shape.hidden, shape.rank, shape.top_k).to(device, shape.dtype)
+        hidden = torch.randn(shape.rows, shape.hidden, device=device, dtype=shape.dtype)
+        logits = torch.randn(shape.rows, shape.vocab, device=device, dtype=shape.dtype)
+        predecessors = torch.randint(0, shape.vocab, (shape.rows,), device=device)
+        candidates = logits.topk(shape.top_k, dim=-1).indices
+        grad = torch.randn(shape.rows, shape.top_k, device=device, dtype=shape.dtype)
+        leaves = [hidden.requires_grad_(), logits.requires_grad_(), *selector.parameters()]
+
+        for impl, score in impls.items():
+            def forward(score=score):
+                with torch.no_grad():
+                    return score(selector, logits, hidden, predecessors, candidates)
+
+            def forward_backward(score=score):
+                out = score(selector, logits, hidden, predecessors, candidates)
+                return torch.autograd.grad(out, leaves, grad)
+
+            for label, fn, backward in (("fwd", forward, False), ("fwd+bwd", forward_backward, True)):
+                timing = time_fn(fn, device, reps=10)
+                peak = peak_extra_bytes(fn, device)
+                extra = {"peak_extra_mib": None if peak is None else peak / 2**20}
+                rows.append(Row("selector", f"{label} {shape.name}", impl, timing, minimal_bytes(shape, backward),
+                                copy_gbps, extra))
+        del selector, hidden, logits, leaves
+
+    print_table(rows)
+    write_records(rows, env, args.out)
+
+
+if __name__ == "__main__":
+    main()
