@@ -4,9 +4,11 @@ torch.compile of it.
     python benchmarks/bench_selector.py [--out results.jsonl] [--no-compile] [--quick]
 
 Times ``CandidateSelector.score_candidates`` (the hidden projection, the gather of the
-unary logits at the top-k candidates, the bilinear transition scores) forward, and
-forward+backward with gradients for every input (the unary logits, the hidden
-states, the three parameters), as in training. Reports median / p20 / p80 ms, the
+unary logits at the top-k candidates, the bilinear transition scores) forward;
+forward+backward with gradients for every input (the unary logits, the hidden states,
+the three parameters), as in training; and forward+backward without the unary
+logits' gradient ("no dU"), which shows the selector's own cost: the dense [N, V]
+logits gradient costs ours and the reference the same. Reports median / p20 / p80 ms, the
 peak memory beyond the inputs, and GB/s over the minimal bytes: each operand read
 once (for B: the k gathered rows per position), each output and gradient written
 once (the gradient of full-vocabulary logits is a dense [N, V] tensor, as autograd
@@ -63,15 +65,18 @@ def reference_score_candidates(selector, unary_logits, hidden, predecessor_ids, 
     )
 
 
-def minimal_bytes(shape: Shape, backward: bool) -> int:
+def minimal_bytes(shape: Shape, grads: str) -> int:
+    """grads: "forward" (none), "all" (dU too), or "no_unary" (all but dU)."""
     size = torch.empty((), dtype=shape.dtype).element_size()
     n, k, r = shape.rows, shape.top_k, shape.rank
     projection = (shape.hidden * r + n * shape.hidden + n * r) * size  # read W, h; write P
     scores = (n * k + n * r + n * r + n * k * r + n * k) * size  # U at k ids, P, A rows, B rows; write S
     forward = projection + scores
-    if not backward:
+    if grads == "forward":
         return forward
-    dense_grads = (n * shape.vocab + 2 * shape.vocab * r) * size  # dU, dA, dB are dense tensors
+    dense_grads = 2 * shape.vocab * r * size  # dA, dB are dense tensors
+    if grads == "all":
+        dense_grads += n * shape.vocab * size  # and so is dU
     backward_bytes = (n * k + n * k * r + 2 * n * r + n * r) * size + dense_grads  # dS, B rows, A, P; write dP
     backward_bytes += 2 * projection  # dh = dP W, dW = dP^T h
     return forward + backward_bytes
@@ -106,6 +111,7 @@ def main() -> None:
         predecessors = torch.randint(0, shape.vocab, (shape.rows,), device=device)
         candidates = logits.topk(shape.top_k, dim=-1).indices
         grad = torch.randn(shape.rows, shape.top_k, device=device, dtype=shape.dtype)
+        frozen_logits = logits.clone()
         leaves = [hidden.requires_grad_(), logits.requires_grad_(), *selector.parameters()]
 
         for impl, score in impls.items():
@@ -117,11 +123,17 @@ def main() -> None:
                 out = score(selector, logits, hidden, predecessors, candidates)
                 return torch.autograd.grad(out, leaves, grad)
 
-            for label, fn, backward in (("fwd", forward, False), ("fwd+bwd", forward_backward, True)):
+            def forward_backward_frozen_logits(score=score):
+                out = score(selector, frozen_logits, hidden, predecessors, candidates)
+                return torch.autograd.grad(out, [leaves[0], *leaves[2:]], grad)
+
+            modes = (("fwd", forward, "forward"), ("fwd+bwd", forward_backward, "all"),
+                     ("fwd+bwd no dU", forward_backward_frozen_logits, "no_unary"))
+            for label, fn, grads in modes:
                 timing = time_fn(fn, device, reps=10)
                 peak = peak_extra_bytes(fn, device)
                 extra = {"peak_extra_mib": None if peak is None else peak / 2**20}
-                rows.append(Row("selector", f"{label} {shape.name}", impl, timing, minimal_bytes(shape, backward),
+                rows.append(Row("selector", f"{label} {shape.name}", impl, timing, minimal_bytes(shape, grads),
                                 copy_gbps, extra))
         del selector, hidden, logits, leaves
 

@@ -182,3 +182,15 @@ def test_fullgraph_compile(compile_backend):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     for a, b in zip(got_grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_extension
+def test_strided_inputs_match_reference():
+    """Row-strided logits and P, a column-major codebook: no wrong answer, no crash."""
+    unary, projected, a, b, pred, cand = _good()
+    wide_unary = torch.cat([unary, unary], dim=-1)[..., : unary.shape[-1]]  # row stride 2V
+    wide_projected = torch.cat([projected, projected], dim=-1)[..., : projected.shape[-1]]
+    column_major = a.t().contiguous().t()
+    got = dk.score_candidates(wide_unary, wide_projected, column_major, b, pred, cand)
+    expected = reference.selector_score_candidates(unary, projected, a, b, pred, cand)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -109,6 +109,11 @@ def _validate(unary, projected, predecessor_codebook, successor_codebook, predec
         raise ValueError(f"all selector tensors must be on one device, got {sorted(map(str, devices))}.")
 
 
+def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels walk rows with any stride but need unit steps along the last axis."""
+    return tensor if tensor.stride(-1) == 1 or tensor.shape[-1] <= 1 else tensor.contiguous()
+
+
 def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
                   *, unary_gathered: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """Flatten the leading dims, normalise ids and P's dtype, run the op, restore dims."""
@@ -119,10 +124,10 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
         # The kernels read P in the codebook dtype or fp32; fp32 holds any P exactly.
         projected = projected.float()
     scores = torch.ops.dflash2.selector_scores(
-        unary.reshape(-1, unary.shape[-1]),
-        projected.reshape(-1, rank),
-        predecessor_codebook,
-        successor_codebook,
+        _unit_last_stride(unary.reshape(-1, unary.shape[-1])),
+        _unit_last_stride(projected.reshape(-1, rank)),
+        _unit_last_stride(predecessor_codebook),
+        _unit_last_stride(successor_codebook),
         predecessor_ids.reshape(-1).long(),
         candidate_ids.reshape(-1, k).long(),
         unary_gathered,
