@@ -3,8 +3,9 @@
 ``DFLASH2_BACKEND`` is read on every call (not at import), so tests and users can flip
 it without reloading the package:
 
-- ``auto`` (default): Triton for CUDA tensors, the vectorized PyTorch path elsewhere
-  (and wherever Triton is not importable);
+- ``auto`` (default): Triton for CUDA tensors; for CPU tensors the C++ kernel when
+  the extension is built, the vectorized PyTorch path otherwise (and wherever Triton
+  is not importable);
 - ``triton``: Triton everywhere; CPU tensors then need ``TRITON_INTERPRET=1``;
 - ``reference``: the public functions and modules run the pure-PyTorch reference
   (upstream's code path, native autograd), bypassing the custom ops.

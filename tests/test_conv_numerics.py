@@ -7,6 +7,8 @@ import torch
 
 import dflash2_kernels as dk
 from dflash2_kernels import reference
+from dflash2_kernels._extension import EXTENSION_ERROR
+from dflash2_kernels.conv import ops
 from dflash2_kernels.conv.launch import KERNELS_INTERPRETED
 
 from .contract import assert_within_contract
@@ -17,6 +19,15 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 PATHS = [
     pytest.param("vectorized", "cpu", "auto", id="vectorized"),
+    pytest.param(
+        "cpp",
+        "cpu",
+        "auto",
+        id="cpp",
+        marks=pytest.mark.skipif(
+            not ops._cpu_kernel_available(), reason=f"the C++ extension is not built: {EXTENSION_ERROR}"
+        ),
+    ),
     pytest.param(
         "triton",
         TRITON_DEVICE,
@@ -30,13 +41,26 @@ PATHS = [
 OUTPUTS = ("out", "dx", "ddelta", "dbase")
 
 
+def _select_path(path: str, backend: str, monkeypatch) -> None:
+    """Make dk.grouped_dynamic_conv run exactly ``path``: the CPU paths exclude each other."""
+    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    if path == "vectorized":
+        monkeypatch.setattr(ops, "_cpu_kernel_available", lambda: False)
+    if path == "cpp":
+        def not_this_path(*args):
+            raise AssertionError("the cpp path ran the vectorized fallback")
+
+        monkeypatch.setattr(ops, "conv_forward_vectorized", not_this_path)
+        monkeypatch.setattr(ops, "conv_backward_vectorized", not_this_path)
+
+
 @pytest.mark.parametrize("path,device,backend", PATHS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_conv_forward_backward_within_contract(case, path, device, backend, monkeypatch, poison_empty):
     x, delta, base, dy = make_inputs(case, device)
     exact = exact_conv_with_grads(x, delta, base, dy, case)
     expected = conv_with_grads(reference.grouped_dynamic_conv, x, delta, base, dy, case)
-    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    _select_path(path, backend, monkeypatch)
     got = conv_with_grads(dk.grouped_dynamic_conv, x, delta, base, dy, case)
 
     truncating = path == "triton" and device == "cpu"
@@ -51,7 +75,7 @@ def test_conv_forward_backward_within_contract(case, path, device, backend, monk
 def test_conv_backward_is_deterministic(path, device, backend, monkeypatch):
     case = CASES[8]  # several row chunks, so dbase sums several partials
     x, delta, base, dy = make_inputs(case, device, seed=3)
-    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    _select_path(path, backend, monkeypatch)
     first = conv_with_grads(dk.grouped_dynamic_conv, x, delta, base, dy, case)
     second = conv_with_grads(dk.grouped_dynamic_conv, x, delta, base, dy, case)
     for a, b in zip(first, second):
@@ -60,7 +84,7 @@ def test_conv_backward_is_deterministic(path, device, backend, monkeypatch):
 
 @pytest.mark.parametrize("path,device,backend", PATHS)
 def test_conv_gradcheck_float64(path, device, backend, monkeypatch):
-    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    _select_path(path, backend, monkeypatch)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(11, 24, generator=g, dtype=torch.float64).to(device).requires_grad_()
     delta = torch.randn(11, 2, 3, 3, generator=g, dtype=torch.float64).to(device)[:, 0].requires_grad_()

@@ -2,8 +2,10 @@
 
 ``dflash2::grouped_dynamic_conv`` and its backward are opaque to ``torch.compile``
 (a fake impl gives shapes and dtypes), carry autograd, and pick an implementation
-per call: Triton for CUDA tensors (or anywhere when ``DFLASH2_BACKEND=triton``),
-the vectorized PyTorch path otherwise.
+per call: Triton for CUDA tensors (or anywhere when ``DFLASH2_BACKEND=triton``);
+for CPU tensors the C++ kernels (``torch.ops.dflash2.conv_forward_cpu`` /
+``conv_backward_cpu``, csrc/conv_cpu.cpp) when the extension is built; the
+vectorized PyTorch path otherwise.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from .. import reference
 from .._backend import selected_backend, triton_importable
+from .._extension import EXTENSION_LOADED, has_kernel
 from .vectorized import conv_backward_vectorized, conv_forward_vectorized
 
 __all__ = ["grouped_dynamic_conv"]
@@ -54,6 +57,22 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_importable()
 
 
+def _cpu_kernel_available() -> bool:
+    """Whether the C++ CPU kernels are built (the tests switch them off to run the fallback)."""
+    return has_kernel("conv_forward_cpu", "cpu")
+
+
+if EXTENSION_LOADED:
+    # Shapes of the raw C++ ops, so that they trace on their own too (opcheck, compile).
+    @torch.library.register_fake("dflash2::conv_forward_cpu")
+    def _(x, delta, base, block_size, out_dtype):
+        return x.new_empty(x.shape, dtype=out_dtype)
+
+    @torch.library.register_fake("dflash2::conv_backward_cpu")
+    def _(grad_out, x, delta, base, block_size):
+        return x.new_empty(x.shape), delta.new_empty(delta.shape), base.new_empty(base.shape)
+
+
 @torch.library.custom_op("dflash2::grouped_dynamic_conv", mutates_args=())
 def grouped_dynamic_conv_op(
     x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
@@ -68,6 +87,8 @@ def grouped_dynamic_conv_op(
         from .launch import conv_forward_triton
 
         out = conv_forward_triton(x2, d3, base, block_size, out_dtype)
+    elif x2.device.type == "cpu" and _cpu_kernel_available():
+        out = torch.ops.dflash2.conv_forward_cpu(x2, d3, base, block_size, out_dtype)
     else:
         out = conv_forward_vectorized(x2, d3, base, block_size, out_dtype)
     return out.view(x.shape)
@@ -104,6 +125,8 @@ def grouped_dynamic_conv_backward_op(
         from .launch import conv_backward_triton
 
         dx, ddelta, dbase = conv_backward_triton(dy, x2, d3, base2, block_size)
+    elif x2.device.type == "cpu" and _cpu_kernel_available():
+        dx, ddelta, dbase = torch.ops.dflash2.conv_backward_cpu(dy, x2, d3, base2, block_size)
     else:
         dx, ddelta, dbase = conv_backward_vectorized(dy, x2, d3, base2, block_size)
     return dx.view(x.shape), ddelta.view(delta.shape), dbase
