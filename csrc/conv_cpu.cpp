@@ -5,15 +5,19 @@
 // float64, independently. Everything is computed in acc_t (float, or double when any input
 // is float64) and rounded once to the result's dtype.
 //
-// The op is memory-bound, so each kernel walks rows once, and every inner loop runs over
-// the contiguous channel axis (auto-vectorised). A row already stored in acc_t is used in
-// place; a row of another dtype is converted into a per-thread scratch row that stays in
-// L1, so the float32 path copies nothing and mixed dtypes cost no extra DRAM traffic.
+// The op is memory-bound, so each kernel walks the rows once (each thread a contiguous
+// range), and the inner loops run over the contiguous channel axis, one group (one delta
+// coefficient) at a time, vectorised by the compiler. A row already stored in acc_t is
+// used in place; a row of another dtype is converted into a per-thread scratch row that
+// stays in cache, so the float32 path copies nothing and mixed dtypes cost no extra DRAM
+// traffic.
 #include <ATen/Parallel.h>
 #include <torch/all.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace dflash2 {
@@ -76,12 +80,14 @@ struct Rows {
   int64_t stride0;
   int64_t stride1;
   at::ScalarType type;
+  int64_t element_size;
 
   explicit Rows(const at::Tensor& t)
       : data(static_cast<char*>(t.data_ptr())),
         stride0(t.stride(0) * t.element_size()),
         stride1(t.dim() > 2 ? t.stride(1) * t.element_size() : 0),
-        type(t.scalar_type()) {}
+        type(t.scalar_type()),
+        element_size(t.element_size()) {}
 
   char* at(int64_t i, int64_t j = 0) const { return data + i * stride0 + j * stride1; }
 };
@@ -122,122 +128,202 @@ void store_row(const acc_t* computed, char* dst, at::ScalarType type, int64_t co
   });
 }
 
-// One tap over a row of H = G * gs channels:
-//   out[c] (= or +=) (base_row[c] + delta_row[c / gs]) * values[c].
-// The forward applies it to x rows, the dx backward to grad_out rows.
-template <bool kAccumulate, typename acc_t>
-void apply_tap(
-    acc_t* __restrict out, const acc_t* __restrict base_row, const acc_t* __restrict delta_row,
-    const acc_t* __restrict values, const ConvShape& shape) {
-  for (int64_t g = 0; g < shape.groups; ++g) {
-    const acc_t coefficient = delta_row[g];
-    const int64_t first = g * shape.group_size;
-    for (int64_t c = first; c < first + shape.group_size; ++c) {
-      const acc_t term = (base_row[c] + coefficient) * values[c];
-      out[c] = kAccumulate ? out[c] + term : term;
+// On x86-64 Linux the row kernels are also compiled for AVX2 and picked when the library
+// loads (an ifunc): at SSE2's 4 lanes the backward is bound by instructions, not memory.
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define DFLASH2_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef DFLASH2_ROW_KERNEL
+#define DFLASH2_ROW_KERNEL
+#endif
+
+// Calls f(std::integral_constant<int64_t, kGroupSize>{}): the group size 16 of every
+// published drafter as a compile-time constant, so that the per-group loops compile to
+// straight vector code (with a run-time trip count their set-up outweighs their 16
+// elements); any other group size is read at run time (kGroupSize 0).
+template <typename F>
+void with_group_size(int64_t group_size, const F& f) {
+  if (group_size == 16) {
+    f(std::integral_constant<int64_t, 16>{});
+  } else {
+    f(std::integral_constant<int64_t, 0>{});
+  }
+}
+
+// Rows this many ahead of the one being computed are requested from memory early: a row
+// is first touched one group at a time, and the hardware prefetcher restarts at every
+// 4 KB page, so without this each group of a new row waits on DRAM.
+constexpr int64_t kPrefetchRows = 2;
+constexpr int64_t kCacheLine = 64;
+
+// Requests group g's channels of row `row` of `rows` (for writing when kWrite).
+template <bool kWrite = false>
+inline void prefetch_group(const Rows& rows, int64_t row, int64_t first_channel, int64_t group_size) {
+  const char* begin = rows.at(row) + first_channel * rows.element_size;
+  for (int64_t byte = 0; byte < group_size * rows.element_size; byte += kCacheLine) {
+    __builtin_prefetch(begin + byte, kWrite ? 1 : 0);
+  }
+}
+
+// What both directions read: x [N, H], delta [N, K, G] and base_x [K, H] contiguous, which
+// is base rounded to x's dtype (as speculators does), held as acc_t.
+template <typename acc_t>
+struct ConvInputs {
+  Rows x;
+  Rows delta;
+  const acc_t* base_x;
+  ConvShape shape;
+  int64_t block_size;
+};
+
+// One tap on the channels [first, last) of a group:
+//   out[c] (= for the first tap, else +=) (base_row[c] + coefficient) * values[c],
+// coefficient being the group's delta. The forward applies it to x rows, dx to grad_out rows.
+template <typename acc_t>
+inline void apply_tap_to_group(
+    acc_t* __restrict out, const acc_t* __restrict base_row, acc_t coefficient, const acc_t* __restrict values,
+    int64_t first, int64_t last, bool first_tap) {
+  if (first_tap) {
+#pragma omp simd
+    for (int64_t c = first; c < last; ++c) {
+      out[c] = (base_row[c] + coefficient) * values[c];
+    }
+  } else {
+#pragma omp simd
+    for (int64_t c = first; c < last; ++c) {
+      out[c] += (base_row[c] + coefficient) * values[c];
     }
   }
 }
 
-// base_x = base rounded to x's dtype (as speculators does), held as acc_t [K, H] contiguous.
-at::Tensor rounded_base(const at::Tensor& base, const at::Tensor& x, at::ScalarType acc_type) {
-  return base.to(x.scalar_type()).to(acc_type).contiguous();
+// kLanes acc_t values as one GCC vector: two SSE registers, or one AVX2 register in the
+// AVX2 clone (twice that for double).
+constexpr int64_t kLanes = 8;
+template <typename acc_t>
+struct Lanes {
+  typedef acc_t type __attribute__((vector_size(kLanes * sizeof(acc_t))));
+  typedef acc_t half __attribute__((vector_size(kLanes / 2 * sizeof(acc_t))));
+};
+
+// sum_c a[c] * b[c] over c < count, adding each product to partial[c] too. The sum runs
+// in kLanes lanes folded by halves: a fixed order (deterministic, the same in both
+// clones) in a few vector instructions, where a compiler's own reduction epilogue adds
+// the lanes one at a time (once per group, that dominated the backward).
+template <typename acc_t>
+inline acc_t sum_products_into(
+    acc_t* __restrict partial, const acc_t* __restrict a, const acc_t* __restrict b, int64_t count) {
+  using Vector = typename Lanes<acc_t>::type;
+  using Half = typename Lanes<acc_t>::half;
+  Vector lanes = {};
+  int64_t c = 0;
+  for (; c + kLanes <= count; c += kLanes) {
+    Vector va, vb, vp;  // memcpy: unaligned vector loads and stores
+    std::memcpy(&va, a + c, sizeof(Vector));
+    std::memcpy(&vb, b + c, sizeof(Vector));
+    std::memcpy(&vp, partial + c, sizeof(Vector));
+    const Vector product = va * vb;
+    lanes += product;
+    vp += product;
+    std::memcpy(partial + c, &vp, sizeof(Vector));
+  }
+  Half low, high;
+  std::memcpy(&low, &lanes, sizeof(Half));
+  std::memcpy(&high, reinterpret_cast<const char*>(&lanes) + sizeof(Half), sizeof(Half));
+  low += high;
+  acc_t sum = (low[0] + low[2]) + (low[1] + low[3]);
+  for (; c < count; ++c) {
+    const acc_t product = a[c] * b[c];
+    sum += product;
+    partial[c] += product;
+  }
+  return sum;
 }
 
+// out rows [first_row, end_row). Tap by tap over whole rows: row n - tau is still in
+// cache from row n - tau's own pass, so each row costs one read of x and one write of out.
 template <typename acc_t>
-void grouped_dynamic_conv_forward_cpu_kernel(
-    const Rows& x, const Rows& delta, const acc_t* base_x, const Rows& out, const ConvShape& shape,
-    int64_t block_size) {
-  const int64_t grain_rows = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, shape.hidden));
-  at::parallel_for(0, shape.rows, grain_rows, [&](int64_t first_row, int64_t end_row) {
-    std::vector<acc_t> scratch(2 * shape.hidden + shape.groups);
-    acc_t* x_scratch = scratch.data();
-    acc_t* out_scratch = x_scratch + shape.hidden;
-    acc_t* delta_scratch = out_scratch + shape.hidden;
-    for (int64_t n = first_row; n < end_row; ++n) {
-      // Taps reaching before the start of row n's block read zero: skip them.
-      const int64_t taps = std::min(shape.taps, n % block_size + 1);
-      acc_t* out_row = result_row(out.at(n), out.type, out_scratch);
-      for (int64_t tau = 0; tau < taps; ++tau) {
-        const acc_t* x_row = read_as(x.at(n - tau), x.type, shape.hidden, x_scratch);
-        const acc_t* delta_row = read_as(delta.at(n, tau), delta.type, shape.groups, delta_scratch);
-        const acc_t* base_row = base_x + tau * shape.hidden;
-        if (tau == 0) {
-          apply_tap<false>(out_row, base_row, delta_row, x_row, shape);
-        } else {
-          apply_tap<true>(out_row, base_row, delta_row, x_row, shape);
-        }
+DFLASH2_ROW_KERNEL void forward_rows(const ConvInputs<acc_t>& in, const Rows& out, int64_t first_row, int64_t end_row) {
+  const ConvShape& shape = in.shape;
+  const int64_t hidden = shape.hidden, groups = shape.groups, group_size = shape.group_size;
+  std::vector<acc_t> scratch(2 * hidden + groups);
+  acc_t* x_scratch = scratch.data();            // [H]
+  acc_t* out_scratch = x_scratch + hidden;      // [H]
+  acc_t* delta_scratch = out_scratch + hidden;  // [G]
+  for (int64_t n = first_row; n < end_row; ++n) {
+    // Taps reaching before the start of row n's block read zero: skip them.
+    const int64_t read_taps = std::min(shape.taps, n % in.block_size + 1);
+    acc_t* __restrict out_row = result_row(out.at(n), out.type, out_scratch);
+    for (int64_t tau = 0; tau < read_taps; ++tau) {
+      const acc_t* x_row = read_as(in.x.at(n - tau), in.x.type, hidden, x_scratch);
+      const acc_t* delta_row = read_as(in.delta.at(n, tau), in.delta.type, groups, delta_scratch);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = g * group_size;
+        apply_tap_to_group(
+            out_row, in.base_x + tau * hidden, delta_row[g], x_row, first, first + group_size, tau == 0);
       }
-      store_row(out_row, out.at(n), out.type, shape.hidden);
     }
-  });
+    store_row(out_row, out.at(n), out.type, hidden);
+  }
 }
 
-// dbase_partials: acc_t [chunks, K, H], one slice per kDbaseChunkRows rows, each written
-// by the one thread that owns the chunk.
-template <typename acc_t>
-void grouped_dynamic_conv_backward_cpu_kernel(
-    const Rows& grad_out, const Rows& x, const Rows& delta, const acc_t* base_x, const Rows& dx,
-    const Rows& ddelta, acc_t* dbase_partials, const ConvShape& shape, int64_t block_size) {
-  const int64_t chunks = (shape.rows + kDbaseChunkRows - 1) / kDbaseChunkRows;
-  const int64_t partial_size = shape.taps * shape.hidden;
-  const int64_t ddelta_row_size = shape.taps * shape.groups;
-  at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
-    std::vector<acc_t> scratch(3 * shape.hidden + shape.groups + ddelta_row_size);
-    acc_t* dy_scratch = scratch.data();
-    acc_t* x_scratch = dy_scratch + shape.hidden;
-    acc_t* dx_scratch = x_scratch + shape.hidden;
-    acc_t* delta_scratch = dx_scratch + shape.hidden;
-    acc_t* ddelta_scratch = delta_scratch + shape.groups;
-    for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
-      acc_t* partial = dbase_partials + chunk * partial_size;
-      std::fill(partial, partial + partial_size, acc_t(0));
-      const int64_t end_row = std::min(shape.rows, (chunk + 1) * kDbaseChunkRows);
-      for (int64_t n = chunk * kDbaseChunkRows; n < end_row; ++n) {
-        const int64_t position = n % block_size;
-
-        // dx row n: the taps of the later rows n + tau of the same block read row n.
-        acc_t* dx_row = result_row(dx.at(n), dx.type, dx_scratch);
-        for (int64_t tau = 0; tau < shape.taps && position + tau < block_size && n + tau < shape.rows; ++tau) {
-          const acc_t* dy_row = read_as(grad_out.at(n + tau), grad_out.type, shape.hidden, dy_scratch);
-          const acc_t* delta_row = read_as(delta.at(n + tau, tau), delta.type, shape.groups, delta_scratch);
-          const acc_t* base_row = base_x + tau * shape.hidden;
-          if (tau == 0) {
-            apply_tap<false>(dx_row, base_row, delta_row, dy_row, shape);
-          } else {
-            apply_tap<true>(dx_row, base_row, delta_row, dy_row, shape);
-          }
-        }
-        store_row(dx_row, dx.at(n), dx.type, shape.hidden);
-
-        // ddelta row n and row n's dbase terms: grad_out row n times the x rows it read.
-        const acc_t* dy_row = read_as(grad_out.at(n), grad_out.type, shape.hidden, dy_scratch);
-        acc_t* ddelta_row = result_row(ddelta.at(n), ddelta.type, ddelta_scratch);
-        for (int64_t tau = 0; tau < shape.taps; ++tau) {
-          acc_t* ddelta_tap = ddelta_row + tau * shape.groups;
-          if (tau > position) {
-            std::fill(ddelta_tap, ddelta_tap + shape.groups, acc_t(0));
-            continue;
-          }
-          const acc_t* __restrict x_row = read_as(x.at(n - tau), x.type, shape.hidden, x_scratch);
-          acc_t* __restrict partial_tap = partial + tau * shape.hidden;
-          for (int64_t g = 0; g < shape.groups; ++g) {
-            const int64_t first = g * shape.group_size;
-            acc_t group_sum = 0;
-            // The reduction order is fixed at compile time: deterministic.
-#pragma omp simd reduction(+ : group_sum)
-            for (int64_t c = first; c < first + shape.group_size; ++c) {
-              const acc_t product = dy_row[c] * x_row[c];
-              group_sum += product;
-              partial_tap[c] += product;
-            }
-            ddelta_tap[g] = group_sum;
-          }
-        }
-        store_row(ddelta_row, ddelta.at(n), ddelta.type, ddelta_row_size);
+// dx and ddelta rows [first_row, end_row), and their dbase terms summed into
+// partial [K, H] (zeroed here). Each row is one sweep over the groups doing every tap of
+// dx, ddelta and dbase, so that the three rows it touches first (grad_out n + K - 1, x n,
+// dx n) stream together.
+template <typename acc_t, int64_t kGroupSize>
+DFLASH2_ROW_KERNEL void backward_rows(
+    const ConvInputs<acc_t>& in, const Rows& grad_out, const Rows& dx, const Rows& ddelta, acc_t* partial,
+    int64_t first_row, int64_t end_row) {
+  const ConvShape& shape = in.shape;
+  const int64_t hidden = shape.hidden, groups = shape.groups, taps = shape.taps;
+  const int64_t group_size = kGroupSize > 0 ? kGroupSize : shape.group_size;
+  std::vector<acc_t> scratch((2 * taps + 1) * hidden + 2 * taps * groups);
+  acc_t* dy_scratch = scratch.data();                     // [K, H]: grad_out rows n .. n + K - 1
+  acc_t* x_scratch = dy_scratch + taps * hidden;          // [K, H]: x rows n .. n - K + 1
+  acc_t* dx_scratch = x_scratch + taps * hidden;          // [H]
+  acc_t* delta_scratch = dx_scratch + hidden;             // [K, G]: delta[n + tau, tau]
+  acc_t* ddelta_scratch = delta_scratch + taps * groups;  // [K, G]
+  std::vector<const acc_t*> dy_rows(taps), x_rows(taps), delta_rows(taps);
+  std::fill(partial, partial + taps * hidden, acc_t(0));
+  for (int64_t n = first_row; n < end_row; ++n) {
+    const int64_t position = n % in.block_size;
+    // dx row n collects tap tau of each row n + tau in the same block.
+    const int64_t dx_taps = std::min({taps, in.block_size - position, shape.rows - n});
+    // The taps of row n that reach back inside its block: its ddelta and dbase terms.
+    const int64_t read_taps = std::min(taps, position + 1);
+    for (int64_t tau = 0; tau < dx_taps; ++tau) {
+      dy_rows[tau] = read_as(grad_out.at(n + tau), grad_out.type, hidden, dy_scratch + tau * hidden);
+      delta_rows[tau] = read_as(in.delta.at(n + tau, tau), in.delta.type, groups, delta_scratch + tau * groups);
+    }
+    for (int64_t tau = 0; tau < read_taps; ++tau) {
+      x_rows[tau] = read_as(in.x.at(n - tau), in.x.type, hidden, x_scratch + tau * hidden);
+    }
+    const acc_t* dy_row = dy_rows[0];
+    acc_t* __restrict dx_row = result_row(dx.at(n), dx.type, dx_scratch);
+    acc_t* __restrict ddelta_row = result_row(ddelta.at(n), ddelta.type, ddelta_scratch);
+    const bool prefetch = n + kPrefetchRows + taps - 1 < shape.rows;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * group_size;
+      if (prefetch) {
+        prefetch_group(grad_out, n + kPrefetchRows + taps - 1, first, group_size);
+        prefetch_group(in.x, n + kPrefetchRows, first, group_size);
+        prefetch_group</*kWrite=*/true>(dx, n + kPrefetchRows, first, group_size);
+      }
+      for (int64_t tau = 0; tau < dx_taps; ++tau) {
+        apply_tap_to_group(
+            dx_row, in.base_x + tau * hidden, delta_rows[tau][g], dy_rows[tau], first, first + group_size, tau == 0);
+      }
+      for (int64_t tau = 0; tau < read_taps; ++tau) {
+        ddelta_row[tau * groups + g] =
+            sum_products_into(partial + tau * hidden + first, dy_row + first, x_rows[tau] + first, group_size);
       }
     }
-  });
+    std::fill(ddelta_row + read_taps * groups, ddelta_row + taps * groups, acc_t(0));
+    store_row(dx_row, dx.at(n), dx.type, hidden);
+    store_row(ddelta_row, ddelta.at(n), ddelta.type, taps * groups);
+  }
 }
 
 // dbase [K, H] in dbase's dtype = the chunks' partial sums added in chunk order.
@@ -251,9 +337,13 @@ void sum_dbase_partials(const acc_t* dbase_partials, int64_t chunks, const Rows&
         total[i] += partial[i];
       }
     }
-    const int64_t element_size = c10::elementSize(dbase.type);
-    store_row(total.data(), dbase.data + first * element_size, dbase.type, end - first);
+    store_row(total.data(), dbase.data + first * dbase.element_size, dbase.type, end - first);
   });
+}
+
+// base rounded to x's dtype (as speculators does), as acc_t [K, H] contiguous.
+at::Tensor rounded_base(const at::Tensor& base, const at::Tensor& x, at::ScalarType acc_type) {
+  return base.to(x.scalar_type()).to(acc_type).contiguous();
 }
 
 // x [N, H], delta [N, K, G], base [K, H] -> out [N, H] in out_dtype.
@@ -266,9 +356,13 @@ at::Tensor grouped_dynamic_conv_forward_cpu(
   at::Tensor out = at::empty({shape.rows, shape.hidden}, x.options().dtype(out_dtype));
   const at::ScalarType acc_type = any_double({&x, &delta, &base}) ? at::kDouble : at::kFloat;
   const at::Tensor base_x = rounded_base(base, x, acc_type);
+  const int64_t grain_rows = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, shape.hidden));
   AT_DISPATCH_FLOATING_TYPES(acc_type, "grouped_dynamic_conv_forward_cpu", [&] {
-    grouped_dynamic_conv_forward_cpu_kernel<scalar_t>(
-        Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), Rows(out), shape, block_size);
+    const ConvInputs<scalar_t> in{Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), shape, block_size};
+    const Rows out_rows(out);
+    at::parallel_for(0, shape.rows, grain_rows, [&](int64_t first_row, int64_t end_row) {
+      forward_rows(in, out_rows, first_row, end_row);
+    });
   });
   return out;
 }
@@ -287,13 +381,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_dynamic_conv_backward_cpu
   at::Tensor dbase = at::empty({shape.taps, shape.hidden}, base.options());
   const at::ScalarType acc_type = any_double({&grad_out, &x, &delta, &base}) ? at::kDouble : at::kFloat;
   const at::Tensor base_x = rounded_base(base, x, acc_type);
+  // One dbase partial sum [K, H] per fixed chunk of rows, each written by the one thread
+  // that owns the chunk.
   const int64_t chunks = (shape.rows + kDbaseChunkRows - 1) / kDbaseChunkRows;
   at::Tensor dbase_partials = at::empty({chunks, shape.taps, shape.hidden}, x.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES(acc_type, "grouped_dynamic_conv_backward_cpu", [&] {
+    const ConvInputs<scalar_t> in{Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), shape, block_size};
+    const Rows dy_rows(grad_out), dx_rows(dx), ddelta_rows(ddelta);
     scalar_t* partials = dbase_partials.mutable_data_ptr<scalar_t>();
-    grouped_dynamic_conv_backward_cpu_kernel<scalar_t>(
-        Rows(grad_out), Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), Rows(dx), Rows(ddelta), partials,
-        shape, block_size);
+    with_group_size(shape.group_size, [&](auto group_size) {
+      at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
+        for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
+          backward_rows<scalar_t, group_size>(
+              in, dy_rows, dx_rows, ddelta_rows, partials + chunk * shape.taps * shape.hidden,
+              chunk * kDbaseChunkRows, std::min(shape.rows, (chunk + 1) * kDbaseChunkRows));
+        }
+      });
+    });
     sum_dbase_partials<scalar_t>(partials, chunks, Rows(dbase), shape.taps * shape.hidden);
   });
   return {dx, ddelta, dbase};

@@ -51,6 +51,8 @@ CASES = [
     ConvCase((150,), 40, 8, 2, 8),  # many row tiles: several chunks of several steps
     ConvCase((17,), 72, 24, 2, 8),  # group size not a power of two
     ConvCase((17,), 600, 300, 2, 8, strided_delta=True),  # a group split over 3 channel tiles
+    ConvCase((19,), 60, 12, 2, 8),  # group size not a multiple of 8 (C++: vector lanes + a tail)
+    ConvCase((19,), 36, 3, 3, 8, strided_delta=True),  # group size under 8 (C++: the tail alone)
     ConvCase((37,), 40, 8, 2, 8, BF16),
     ConvCase((2, 13), 320, 16, 2, 8, BF16, strided_delta=True),
     ConvCase((37,), 40, 8, 2, 8, F16),
