@@ -34,7 +34,7 @@ OPCHECK_CASES = [
 ]
 
 
-def _raw_inputs(rows, hidden, group_size, taps, block_size, dtypes, strided_delta, row_strided_x, seed=0):
+def _raw_inputs(rows, hidden, group_size, taps, dtypes, strided_delta, row_strided_x, seed=0):
     """x [N, H], delta [N, K, G], base [K, H], grad_out [N, H] as the op receives them."""
     g = torch.Generator().manual_seed(seed)
     x_dtype, delta_dtype, base_dtype = dtypes
@@ -51,19 +51,19 @@ def _raw_inputs(rows, hidden, group_size, taps, block_size, dtypes, strided_delt
 
 @pytest.mark.parametrize("rows,hidden,group_size,taps,block_size,dtypes,strided_delta,row_strided_x", OPCHECK_CASES)
 def test_opcheck_conv_forward_cpu(rows, hidden, group_size, taps, block_size, dtypes, strided_delta, row_strided_x):
-    x, delta, base, grad_out = _raw_inputs(rows, hidden, group_size, taps, block_size, dtypes, strided_delta, row_strided_x)
+    x, delta, base, grad_out = _raw_inputs(rows, hidden, group_size, taps, dtypes, strided_delta, row_strided_x)
     torch.library.opcheck(torch.ops.dflash2.conv_forward_cpu.default, (x, delta, base, block_size, grad_out.dtype))
 
 
 @pytest.mark.parametrize("rows,hidden,group_size,taps,block_size,dtypes,strided_delta,row_strided_x", OPCHECK_CASES)
 def test_opcheck_conv_backward_cpu(rows, hidden, group_size, taps, block_size, dtypes, strided_delta, row_strided_x):
-    x, delta, base, grad_out = _raw_inputs(rows, hidden, group_size, taps, block_size, dtypes, strided_delta, row_strided_x)
+    x, delta, base, grad_out = _raw_inputs(rows, hidden, group_size, taps, dtypes, strided_delta, row_strided_x)
     torch.library.opcheck(torch.ops.dflash2.conv_backward_cpu.default, (grad_out, x, delta, base, block_size))
 
 
 def test_backward_reads_an_expanded_grad_out():
     """grad_out with row stride 0 (one row expanded) gives what its contiguous copy gives."""
-    x, delta, base, _ = _raw_inputs(40, 32, 16, 2, 8, F32, True, False)
+    x, delta, base, _ = _raw_inputs(40, 32, 16, 2, F32, True, False)
     grad_row = torch.randn(1, 32, generator=torch.Generator().manual_seed(1))
     expanded = grad_row.expand(40, 32)
     assert expanded.stride() == (0, 1)
@@ -75,7 +75,7 @@ def test_backward_reads_an_expanded_grad_out():
 
 def test_zero_rows():
     """N == 0: an empty output; empty dx and ddelta; dbase all zero."""
-    x, delta, base, grad_out = _raw_inputs(0, 32, 16, 2, 8, AUTOCAST, True, False)
+    x, delta, base, grad_out = _raw_inputs(0, 32, 16, 2, AUTOCAST, True, False)
     out = torch.ops.dflash2.conv_forward_cpu(x, delta, base, 8, torch.float32)
     dx, ddelta, dbase = torch.ops.dflash2.conv_backward_cpu(grad_out, x, delta, base, 8)
     assert out.shape == (0, 32) and dx.shape == (0, 32) and ddelta.shape == (0, 2, 2)
@@ -84,7 +84,7 @@ def test_zero_rows():
 
 def test_backward_is_independent_of_the_thread_count():
     """dbase sums fixed 256-row chunks in chunk order, whatever the threads: bitwise equal."""
-    x, delta, base, grad_out = _raw_inputs(1000, 64, 16, 2, 8, F32, True, False, seed=2)
+    x, delta, base, grad_out = _raw_inputs(1000, 64, 16, 2, F32, True, False, seed=2)
     threads = torch.get_num_threads()
     try:
         results = []
