@@ -17,7 +17,8 @@ from dflash2_kernels._extension import EXTENSION_ERROR, has_kernel
 from dflash2_kernels.conv import ops  # noqa: F401  (registers the raw ops' fake impls)
 
 pytestmark = pytest.mark.skipif(
-    not has_kernel("conv_forward_cpu", "cpu"), reason=f"the C++ extension is not built: {EXTENSION_ERROR}"
+    not has_kernel("conv_forward_cpu", "cpu"),
+    reason=f"the C++ extension lacks the conv's CPU kernel (import error: {EXTENSION_ERROR})",
 )
 
 F32 = (torch.float32, torch.float32, torch.float32)

@@ -25,7 +25,8 @@ PATHS = [
         "auto",
         id="cpp",
         marks=pytest.mark.skipif(
-            not ops._cpu_kernel_available(), reason=f"the C++ extension is not built: {EXTENSION_ERROR}"
+            not ops._cpu_kernel_available(),
+            reason=f"the C++ extension lacks the conv's CPU kernel (import error: {EXTENSION_ERROR})",
         ),
     ),
     pytest.param(
