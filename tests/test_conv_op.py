@@ -6,12 +6,14 @@ import pytest
 import torch
 
 import dflash2_kernels as dk
+from dflash2_kernels.conv import ops
 from dflash2_kernels.conv.launch import KERNELS_INTERPRETED
 from dflash2_kernels.conv.ops import grouped_dynamic_conv_backward_op, grouped_dynamic_conv_op
 
 HAS_CUDA = torch.cuda.is_available()
 BACKENDS = [
-    pytest.param("auto", "cpu", id="vectorized"),
+    pytest.param("auto", "cpu", id="auto-cpu"),  # the C++ kernel when built, else the vectorized path
+    pytest.param("vectorized", "cpu", id="vectorized"),
     pytest.param(
         "triton",
         "cuda" if HAS_CUDA else "cpu",
@@ -32,16 +34,23 @@ def _op_args(device, dtype=torch.float32, requires_grad=True):
     return x, delta, base, 8, 16
 
 
+def _select(backend, monkeypatch):
+    if backend == "vectorized":
+        monkeypatch.setattr(ops, "_cpu_kernel_available", lambda: False)
+        backend = "auto"
+    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_opcheck_forward(backend, device, monkeypatch):
-    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    _select(backend, monkeypatch)
     torch.library.opcheck(grouped_dynamic_conv_op, _op_args(device))
     torch.library.opcheck(grouped_dynamic_conv_op, _op_args(device, requires_grad=False))
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_opcheck_backward(backend, device, monkeypatch):
-    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    _select(backend, monkeypatch)
     x, delta, base, block_size, group_size = _op_args(device, requires_grad=False)
     dy = torch.randn_like(x)
     torch.library.opcheck(grouped_dynamic_conv_backward_op, (dy, x, delta, base, block_size, group_size))
