@@ -25,7 +25,8 @@ namespace {
 
 // dbase is summed per fixed chunk of rows, then over chunks in order, so its rounding
 // does not depend on the thread count.
-constexpr int64_t kDbaseChunkRows = 256;
+// 64 rows: a serving-size batch (256 rows) still splits over the threads.
+constexpr int64_t kDbaseChunkRows = 64;
 
 struct ConvShape {
   int64_t rows;        // N
