@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_row_kernel.h"
+
 namespace dflash2 {
 namespace {
 
@@ -128,17 +130,6 @@ void store_row(const acc_t* computed, char* dst, at::ScalarType type, int64_t co
     }
   });
 }
-
-// On x86-64 Linux the row kernels are also compiled for AVX2 and picked when the library
-// loads (an ifunc): at SSE2's 4 lanes the backward is bound by instructions, not memory.
-#if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define DFLASH2_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef DFLASH2_ROW_KERNEL
-#define DFLASH2_ROW_KERNEL
-#endif
 
 // Calls f(std::integral_constant<int64_t, kGroupSize>{}): the group size 16 of every
 // published drafter as a compile-time constant, so that the per-group loops compile to

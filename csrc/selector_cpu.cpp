@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "cpu_row_kernel.h"
 #include "kernels/selector_math.h"
 #include "selector_checks.h"
 
@@ -67,7 +68,7 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
 // lanes into vector registers (a single running sum is a serial dependency it may not
 // reorder), and the lanes' pairwise combination loses less than one long chain.
 template <typename Acc, typename T>
-Acc lane_dot(const Acc* x, const T* y, int64_t length) {
+DFLASH2_ROW_KERNEL Acc lane_dot(const Acc* x, const T* y, int64_t length) {
   constexpr int kLanes = 16;
   Acc lanes[kLanes] = {};
   int64_t rho = 0;
@@ -79,6 +80,12 @@ Acc lane_dot(const Acc* x, const T* y, int64_t length) {
     for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
   }
   return lanes[0];
+}
+
+// y[rho] += a * x[rho]: g's accumulation over a row's candidates.
+template <typename Acc, typename T>
+DFLASH2_ROW_KERNEL void scaled_add(Acc* y, Acc a, const T* x, int64_t length) {
+  for (int64_t rho = 0; rho < length; ++rho) y[rho] += a * static_cast<Acc>(x[rho]);
 }
 
 struct Rows {
@@ -172,8 +179,7 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
       std::fill(g.begin(), g.end(), Acc(0));
       for (int64_t j = 0; j < shape.top_k; ++j) {
         const Acc weight = static_cast<Acc>(load_dynamic(ds, n * shape.top_k + j, ds_type));
-        const W* b = b_table + candidates[j] * b_stride;
-        for (int64_t rho = 0; rho < shape.rank; ++rho) g[rho] += weight * static_cast<Acc>(b[rho]);
+        scaled_add(g.data(), weight, b_table + candidates[j] * b_stride, shape.rank);
       }
       const W* a = a_table + rows.predecessor_ids[n] * a_stride;
       const P* p = p_table + n * p_stride;
