@@ -83,4 +83,32 @@ inline void check_unary(const at::Tensor& unary, bool unary_gathered, const Sele
   TORCH_CHECK_VALUE(unary.device() == projected.device(), "unary must be on ", projected.device());
 }
 
+inline void check_grad_scores(const at::Tensor& grad_scores, const SelectorShape& shape) {
+  TORCH_CHECK_VALUE(grad_scores.dim() == 2 && grad_scores.size(0) == shape.rows && grad_scores.size(1) == shape.top_k,
+                    "grad_scores must be [", shape.rows, ", ", shape.top_k, "], got ", grad_scores.sizes());
+}
+
+// The backward's results, allocated alike on every device: dU is dS cast when the
+// logits came gathered, else a zero-filled [N, V] written at the gathered entries;
+// dA and dB are zero-filled (only rows of ids in use are written).
+struct SelectorGradients {
+  at::Tensor unary;
+  at::Tensor projected;
+  at::Tensor predecessor_codebook;
+  at::Tensor successor_codebook;
+};
+
+inline SelectorGradients allocate_selector_gradients(const at::Tensor& grad, const at::Tensor& projected,
+                                                     const at::Tensor& predecessor_codebook,
+                                                     const SelectorShape& shape, bool unary_gathered,
+                                                     int64_t unary_width, at::ScalarType unary_dtype) {
+  const auto options = projected.options();
+  return SelectorGradients{
+      unary_gathered ? grad.to(unary_dtype) : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype)),
+      at::empty({shape.rows, shape.rank}, options),
+      at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options()),
+      at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options()),
+  };
+}
+
 }  // namespace dflash2

@@ -97,16 +97,31 @@ struct Rows {
   SelectorShape shape;
 };
 
+// Row pointers of A, B (by token id) and P (by row), in their element types.
+template <typename W, typename P>
+struct TypedRows {
+  const W* a_table;
+  const W* b_table;
+  const P* p_table;
+  int64_t a_stride, b_stride, p_stride;
+
+  explicit TypedRows(const Rows& rows)
+      : a_table(rows.predecessor_codebook.data_ptr<W>()),
+        b_table(rows.successor_codebook.data_ptr<W>()),
+        p_table(rows.projected.data_ptr<P>()),
+        a_stride(rows.predecessor_codebook.stride(0)),
+        b_stride(rows.successor_codebook.stride(0)),
+        p_stride(rows.projected.stride(0)) {}
+  const W* a(int64_t id) const { return a_table + id * a_stride; }
+  const W* b(int64_t id) const { return b_table + id * b_stride; }
+  const P* p(int64_t row) const { return p_table + row * p_stride; }
+};
+
 template <typename W, typename P>
 void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gathered, at::Tensor& scores) {
   using Acc = accumulator_t<W>;
   const auto& shape = rows.shape;
-  const W* a_table = rows.predecessor_codebook.data_ptr<W>();
-  const W* b_table = rows.successor_codebook.data_ptr<W>();
-  const P* p_table = rows.projected.data_ptr<P>();
-  const int64_t a_stride = rows.predecessor_codebook.stride(0);
-  const int64_t b_stride = rows.successor_codebook.stride(0);
-  const int64_t p_stride = rows.projected.stride(0);
+  const TypedRows<W, P> rows_of(rows);
   const void* u = unary.data_ptr();
   const int64_t u_stride = unary.stride(0);
   void* s = scores.data_ptr();
@@ -114,14 +129,14 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<Acc> context(shape.rank);
     for (int64_t n = begin; n < end; ++n) {
-      const W* a = a_table + rows.predecessor_ids[n] * a_stride;
-      const P* p = p_table + n * p_stride;
+      const W* a = rows_of.a(rows.predecessor_ids[n]);
+      const P* p = rows_of.p(n);
       for (int64_t rho = 0; rho < shape.rank; ++rho) {
         context[rho] = context_term(static_cast<Acc>(a[rho]), static_cast<Acc>(p[rho]));
       }
       for (int64_t j = 0; j < shape.top_k; ++j) {
         const int64_t id = rows.candidate_ids[n * shape.top_k + j];
-        const Acc dot = lane_dot(context.data(), b_table + id * b_stride, shape.rank);
+        const Acc dot = lane_dot(context.data(), rows_of.b(id), shape.rank);
         const int64_t column = unary_gathered ? j : id;
         const double total = load_dynamic(u, n * u_stride + column, unary.scalar_type()) + static_cast<double>(dot);
         store_dynamic(s, n * shape.top_k + j, scores.scalar_type(), total);
@@ -161,12 +176,7 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
                      at::Tensor& grad_projected, at::Tensor& grad_predecessor, at::Tensor& grad_successor) {
   using Acc = accumulator_t<W>;
   const auto& shape = rows.shape;
-  const W* a_table = rows.predecessor_codebook.data_ptr<W>();
-  const W* b_table = rows.successor_codebook.data_ptr<W>();
-  const P* p_table = rows.projected.data_ptr<P>();
-  const int64_t a_stride = rows.predecessor_codebook.stride(0);
-  const int64_t b_stride = rows.successor_codebook.stride(0);
-  const int64_t p_stride = rows.projected.stride(0);
+  const TypedRows<W, P> rows_of(rows);
   const void* ds = grad.data_ptr();
   const auto ds_type = grad.scalar_type();
   P* dp_table = grad_projected.data_ptr<P>();
@@ -179,10 +189,10 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
       std::fill(g.begin(), g.end(), Acc(0));
       for (int64_t j = 0; j < shape.top_k; ++j) {
         const Acc weight = static_cast<Acc>(load_dynamic(ds, n * shape.top_k + j, ds_type));
-        scaled_add(g.data(), weight, b_table + candidates[j] * b_stride, shape.rank);
+        scaled_add(g.data(), weight, rows_of.b(candidates[j]), shape.rank);
       }
-      const W* a = a_table + rows.predecessor_ids[n] * a_stride;
-      const P* p = p_table + n * p_stride;
+      const W* a = rows_of.a(rows.predecessor_ids[n]);
+      const P* p = rows_of.p(n);
       P* dp = dp_table + n * shape.rank;
       Acc* pg = projected_times_g.data() + n * shape.rank;
       for (int64_t rho = 0; rho < shape.rank; ++rho) {
@@ -221,8 +231,8 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
   segmented_sum<W>(candidate_sorted, candidate_order, shape.rank, grad_successor, [&](int64_t flat, Acc* acc) {
     const int64_t n = flat / shape.top_k;
     const Acc weight = static_cast<Acc>(load_dynamic(ds, flat, ds_type));
-    const W* a = a_table + rows.predecessor_ids[n] * a_stride;
-    const P* p = p_table + n * p_stride;
+    const W* a = rows_of.a(rows.predecessor_ids[n]);
+    const P* p = rows_of.p(n);
     for (int64_t rho = 0; rho < shape.rank; ++rho) {
       acc[rho] += weight * context_term(static_cast<Acc>(a[rho]), static_cast<Acc>(p[rho]));
     }
@@ -255,26 +265,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
     bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype) {
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
-  TORCH_CHECK_VALUE(grad_scores.dim() == 2 && grad_scores.size(0) == shape.rows && grad_scores.size(1) == shape.top_k,
-                    "grad_scores must be [", shape.rows, ", ", shape.top_k, "], got ", grad_scores.sizes());
+  check_grad_scores(grad_scores, shape);
   const at::Tensor grad = grad_scores.contiguous();
   const at::Tensor predecessors = predecessor_ids.contiguous();
   const at::Tensor candidates = candidate_ids.contiguous();
   check_ids_in_range(predecessors, shape.vocab, "predecessor_ids");
   check_ids_in_range(candidates, shape.vocab, "candidate_ids");
-  const auto options = projected.options();
-  at::Tensor grad_unary = unary_gathered ? grad.to(unary_dtype)
-                                         : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype));
-  at::Tensor grad_projected = at::empty({shape.rows, shape.rank}, options);
-  at::Tensor grad_predecessor = at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options());
-  at::Tensor grad_successor = at::zeros(successor_codebook.sizes(), successor_codebook.options());
+  SelectorGradients grads = allocate_selector_gradients(grad, projected, predecessor_codebook, shape, unary_gathered,
+                                                        unary_width, unary_dtype);
   const Rows rows{projected,   predecessor_codebook, successor_codebook, predecessors.data_ptr<int64_t>(),
                   candidates.data_ptr<int64_t>(), shape};
   dispatch_types(predecessor_codebook.scalar_type(), projected.scalar_type(), [&](auto codebook_tag, auto projected_tag) {
     scores_backward<decltype(codebook_tag), decltype(projected_tag)>(
-        rows, grad, unary_gathered, grad_unary, grad_projected, grad_predecessor, grad_successor);
+        rows, grad, unary_gathered, grads.unary, grads.projected, grads.predecessor_codebook,
+        grads.successor_codebook);
   });
-  return {grad_unary, grad_projected, grad_predecessor, grad_successor};
+  return {grads.unary, grads.projected, grads.predecessor_codebook, grads.successor_codebook};
 }
 
 }  // namespace

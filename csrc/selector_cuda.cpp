@@ -68,8 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
     bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype) {
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
-  TORCH_CHECK_VALUE(grad_scores.dim() == 2 && grad_scores.size(0) == shape.rows && grad_scores.size(1) == shape.top_k,
-                    "grad_scores must be [", shape.rows, ", ", shape.top_k, "], got ", grad_scores.sizes());
+  check_grad_scores(grad_scores, shape);
   const c10::cuda::CUDAGuard device_guard(projected.device());
   const at::Tensor grad = grad_scores.contiguous();
   const at::Tensor predecessors = predecessor_ids.contiguous();
@@ -77,11 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
   const auto options = projected.options();
   const auto accumulator = predecessor_codebook.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 
-  at::Tensor grad_unary = unary_gathered ? grad.to(unary_dtype)
-                                         : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype));
-  at::Tensor grad_projected = at::empty({shape.rows, shape.rank}, options);
-  at::Tensor grad_predecessor = at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options());
-  at::Tensor grad_successor = at::zeros(successor_codebook.sizes(), successor_codebook.options());
+  SelectorGradients grads = allocate_selector_gradients(grad, projected, predecessor_codebook, shape, unary_gathered,
+                                                        unary_width, unary_dtype);
   at::Tensor projected_times_g = at::empty({shape.rows, shape.rank}, options.dtype(accumulator));
   at::Tensor partials = at::empty(
       {segment_chunks(shape.rows) + segment_chunks(shape.rows * shape.top_k), 2, shape.rank}, options.dtype(accumulator));
@@ -94,12 +90,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
       make_operands(projected, predecessor_codebook, successor_codebook, predecessors, candidates, shape),
       grad.data_ptr(),
       to_dtype(grad.scalar_type()),
-      unary_gathered ? nullptr : grad_unary.data_ptr(),
+      unary_gathered ? nullptr : grads.unary.data_ptr(),
       to_dtype(unary_dtype),
       unary_width,
-      grad_projected.data_ptr(),
-      grad_predecessor.data_ptr(),
-      grad_successor.data_ptr(),
+      grads.projected.data_ptr(),
+      grads.predecessor_codebook.data_ptr(),
+      grads.successor_codebook.data_ptr(),
       projected_times_g.data_ptr(),
       partials.data_ptr(),
       predecessor_sorted.data_ptr<int64_t>(),
@@ -107,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
       candidate_sorted.data_ptr<int64_t>(),
       candidate_order.data_ptr<int64_t>()};
   C10_CUDA_CHECK(launch_selector_backward(params, c10::cuda::getCurrentCUDAStream()));
-  return {grad_unary, grad_projected, grad_predecessor, grad_successor};
+  return {grads.unary, grads.projected, grads.predecessor_codebook, grads.successor_codebook};
 }
 
 }  // namespace

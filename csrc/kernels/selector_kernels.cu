@@ -96,6 +96,26 @@ __device__ __forceinline__ int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
 }
 
+// What a row's warp reads: its predecessor's A row (row 0 stands in for a bad id, whose
+// results are then discarded), its P row, B, and its candidate ids.
+template <typename W, typename P>
+struct SelectorRow {
+  bool predecessor_ok;
+  const W* a_row;
+  const P* p_row;
+  const W* b_table;
+  const int64_t* candidates;
+
+  __device__ __forceinline__ SelectorRow(const SelectorOperands& op, int64_t row) {
+    const int64_t predecessor = op.predecessor_ids[row];
+    predecessor_ok = id_in_range(predecessor, op.vocab);
+    a_row = static_cast<const W*>(op.predecessor_codebook) + (predecessor_ok ? predecessor : 0) * op.predecessor_row_stride;
+    p_row = static_cast<const P*>(op.projected) + row * op.projected_row_stride;
+    b_table = static_cast<const W*>(op.successor_codebook);
+    candidates = op.candidate_ids + row * op.top_k;
+  }
+};
+
 // S[n, j] = U[n, cand[n, j]] + sum_rho A[pred[n], rho] * P[n, rho] * B[cand[n, j], rho].
 // An id out of [0, V) yields NaN for its score (and the whole row for a bad
 // predecessor) instead of a read out of bounds.
@@ -108,13 +128,7 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
   const int64_t row = warp_row();
   if (row >= op.rows) return;
 
-  const int64_t predecessor = op.predecessor_ids[row];
-  const bool predecessor_ok = id_in_range(predecessor, op.vocab);
-  const W* a_row = static_cast<const W*>(op.predecessor_codebook) +
-                   (predecessor_ok ? predecessor : 0) * op.predecessor_row_stride;
-  const P* p_row = static_cast<const P*>(op.projected) + row * op.projected_row_stride;
-  const W* b_table = static_cast<const W*>(op.successor_codebook);
-  const int64_t* candidates = op.candidate_ids + row * op.top_k;
+  const SelectorRow<W, P> row_in(op, row);
 
   for (int64_t first = 0; first < op.top_k; first += kCandidatesPerPass) {
     const int count = static_cast<int>(min(static_cast<int64_t>(kCandidatesPerPass), op.top_k - first));
@@ -124,17 +138,17 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 
     for (int64_t rho = static_cast<int64_t>(lane) * VEC; rho < op.rank; rho += kWarp * VEC) {
       Acc a[VEC], p[VEC], context[VEC];
-      load_vector<VEC>(a_row + rho, a);
-      load_vector<VEC>(p_row + rho, p);
+      load_vector<VEC>(row_in.a_row + rho, a);
+      load_vector<VEC>(row_in.p_row + rho, p);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) context[i] = context_term(a[i], p[i]);
       // Guards, not breaks: a fully unrolled loop keeps dots[] in registers.
 #pragma unroll
       for (int j = 0; j < kCandidatesPerPass; ++j) {
-        const int64_t id = j < count ? candidates[first + j] : -1;
+        const int64_t id = j < count ? row_in.candidates[first + j] : -1;
         if (id_in_range(id, op.vocab)) {
           Acc b[VEC];
-          load_vector<VEC>(b_table + id * op.successor_row_stride + rho, b);
+          load_vector<VEC>(row_in.b_table + id * op.successor_row_stride + rho, b);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) dots[j] += context[i] * b[i];
         }
@@ -151,9 +165,9 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
     }
     if (lane < count) {
       const int64_t j = first + lane;
-      const int64_t id = candidates[j];
+      const int64_t id = row_in.candidates[j];
       double score = __longlong_as_double(0x7ff8000000000000LL);  // quiet NaN
-      if (predecessor_ok && id_in_range(id, op.vocab)) {
+      if (row_in.predecessor_ok && id_in_range(id, op.vocab)) {
         const int64_t column = params.unary_gathered ? j : id;
         score = load_dynamic(params.unary, row * params.unary_row_stride + column, params.unary_dtype) +
                 static_cast<double>(mine);
@@ -175,13 +189,7 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
   const int64_t row = warp_row();
   if (row >= op.rows) return;
 
-  const int64_t predecessor = op.predecessor_ids[row];
-  const bool predecessor_ok = id_in_range(predecessor, op.vocab);
-  const W* a_row = static_cast<const W*>(op.predecessor_codebook) +
-                   (predecessor_ok ? predecessor : 0) * op.predecessor_row_stride;
-  const P* p_row = static_cast<const P*>(op.projected) + row * op.projected_row_stride;
-  const W* b_table = static_cast<const W*>(op.successor_codebook);
-  const int64_t* candidates = op.candidate_ids + row * op.top_k;
+  const SelectorRow<W, P> row_in(op, row);
   const int64_t grad_row = row * op.top_k;
   P* dp_row = static_cast<P*>(params.grad_projected) + row * op.rank;
   Acc* pg_row = static_cast<Acc*>(params.projected_times_g) + row * op.rank;
@@ -191,21 +199,21 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) g[i] = Acc(0);
     for (int64_t j = 0; j < op.top_k; ++j) {
-      const int64_t id = candidates[j];
+      const int64_t id = row_in.candidates[j];
       if (!id_in_range(id, op.vocab)) continue;
       const Acc weight = static_cast<Acc>(load_dynamic(params.grad_scores, grad_row + j, params.grad_scores_dtype));
       Acc b[VEC];
-      load_vector<VEC>(b_table + id * op.successor_row_stride + rho, b);
+      load_vector<VEC>(row_in.b_table + id * op.successor_row_stride + rho, b);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) g[i] += weight * b[i];
     }
     Acc a[VEC], p[VEC], dp[VEC], pg[VEC];
-    load_vector<VEC>(a_row + rho, a);
-    load_vector<VEC>(p_row + rho, p);
+    load_vector<VEC>(row_in.a_row + rho, a);
+    load_vector<VEC>(row_in.p_row + rho, p);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      dp[i] = predecessor_ok ? a[i] * g[i] : Acc(0);
-      pg[i] = predecessor_ok ? p[i] * g[i] : Acc(0);
+      dp[i] = row_in.predecessor_ok ? a[i] * g[i] : Acc(0);
+      pg[i] = row_in.predecessor_ok ? p[i] * g[i] : Acc(0);
     }
     store_vector<VEC>(dp_row + rho, dp);
     store_vector<VEC>(pg_row + rho, pg);
@@ -213,14 +221,18 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 
   if (params.grad_unary == nullptr) return;
   for (int64_t j = lane; j < op.top_k; j += kWarp) {
-    const int64_t id = candidates[j];
+    const int64_t id = row_in.candidates[j];
     if (!id_in_range(id, op.vocab)) continue;
     bool first_occurrence = true;
-    for (int64_t earlier = 0; earlier < j && first_occurrence; ++earlier) first_occurrence = candidates[earlier] != id;
+    for (int64_t earlier = 0; earlier < j && first_occurrence; ++earlier) {
+      first_occurrence = row_in.candidates[earlier] != id;
+    }
     if (!first_occurrence) continue;
     double total = 0.0;
     for (int64_t later = j; later < op.top_k; ++later) {
-      if (candidates[later] == id) total += load_dynamic(params.grad_scores, grad_row + later, params.grad_scores_dtype);
+      if (row_in.candidates[later] == id) {
+        total += load_dynamic(params.grad_scores, grad_row + later, params.grad_scores_dtype);
+      }
     }
     store_dynamic(params.grad_unary, row * params.grad_unary_row_stride + id, params.grad_unary_dtype, total);
   }
