@@ -10,7 +10,6 @@ many times faster ours is) and appends one JSON record per row to --out.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dflash2_kernels as dk  # noqa: E402
 from dflash2_kernels import reference  # noqa: E402
 
-from common import Row, copy_bandwidth_gbps, environment, print_table, time_cuda_graph, time_fn, write_records  # noqa: E402
+from common import Row, print_table, start_run, time_cuda_graph, time_fn, write_records  # noqa: E402
 
 BF16 = (torch.bfloat16, torch.bfloat16, torch.bfloat16)
 F32 = (torch.float32, torch.float32, torch.float32)
@@ -77,17 +76,8 @@ def minimal_bytes(shape: Shape, backward: bool) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="append JSON records here")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    parser.add_argument("--quick", action="store_true", help="first two shapes only")
-    args = parser.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = environment(device)
-    copy_gbps = copy_bandwidth_gbps(device)
-    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
-    print(f"# copy bandwidth (read + write): {copy_gbps:.1f} GB/s")
+    run = start_run(__doc__, quick_help="first two shapes only")
+    args, device, env, copy_gbps = run.args, run.device, run.env, run.copy_gbps
 
     impls = {"ours": dk.grouped_dynamic_conv, "reference": reference.grouped_dynamic_conv}
     if not args.no_compile:

@@ -18,7 +18,6 @@ on CPU: N = 4096, V = 32,000, H = 1024, fp32.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import dflash2_kernels as dk  # noqa: E402
 from dflash2_kernels import reference  # noqa: E402
 
 from common import (  # noqa: E402
-    Row, copy_bandwidth_gbps, environment, peak_extra_bytes, print_table, time_fn, write_records,
+    Row, peak_extra_bytes, print_table, start_run, time_fn, write_records,
 )
 
 
@@ -83,17 +82,8 @@ def minimal_bytes(shape: Shape, grads: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="append JSON records here")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    parser.add_argument("--quick", action="store_true", help="the first shape only")
-    args = parser.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = environment(device)
-    copy_gbps = copy_bandwidth_gbps(device)
-    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
-    print(f"# copy bandwidth (read + write): {copy_gbps:.1f} GB/s")
+    run = start_run(__doc__, quick_help="the first shape only")
+    args, device, env, copy_gbps = run.args, run.device, run.env, run.copy_gbps
 
     impls = {"ours": lambda s, *a: s.score_candidates(*a), "reference": reference_score_candidates}
     if not args.no_compile:

@@ -9,6 +9,7 @@ copy bandwidth, measured in the same run: bytes read + written by a large
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -166,6 +167,31 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "commit": git_commit(),
     }
+
+
+@dataclass
+class Run:
+    """What every benchmark starts from: its options, the device, provenance, roofline."""
+
+    args: argparse.Namespace
+    device: torch.device
+    env: dict
+    copy_gbps: float
+
+
+def start_run(description: str, quick_help: str) -> Run:
+    """Parse the shared options, pick the device, measure its copy bandwidth, print the header."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="append JSON records here")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device)
+    copy_gbps = copy_bandwidth_gbps(device)
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
+    print(f"# copy bandwidth (read + write): {copy_gbps:.1f} GB/s")
+    return Run(args, device, env, copy_gbps)
 
 
 @dataclass
