@@ -32,4 +32,24 @@ TORCH_LIBRARY(dflash2, m) {
       "selector_scores_backward(Tensor grad_scores, Tensor projected, Tensor predecessor_codebook, "
       "Tensor successor_codebook, Tensor predecessor_ids, Tensor candidate_ids, bool unary_gathered, "
       "int unary_width, ScalarType unary_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // Serving (SPEC sections 2 and 3). logits [R, V] (float16/bfloat16/float32, unit
+  // last stride) -> (values [R, k] logits' dtype, ids [R, k] int64), sorted descending,
+  // NaN above everything; k <= 32.
+  m.def("candidate_topk(Tensor logits, int top_k) -> (Tensor, Tensor)");
+  // One drafted block: logits [B, D, V], projected [B, D, r] (codebook dtype or fp32),
+  // codebooks [V, r], anchor_ids [B] int64, uniforms [B, D] float32 (read only when
+  // temperature > 0). -> (path [B, D] int64, candidate_ids [B, D, k] int64,
+  // draft_probs [B, D, k] float32 (one-hot of the choice when greedy),
+  // edges [B, D, k, k] score_dtype).
+  m.def(
+      "select_path(Tensor logits, Tensor projected, Tensor predecessor_codebook, Tensor successor_codebook, "
+      "Tensor anchor_ids, Tensor uniforms, int top_k, float temperature, ScalarType score_dtype) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  // draft_tokens [B, D] int64, target_probs [B, D+1, V] float, draft_probs [B, D, k]
+  // float32, candidate_ids [B, D, k] int64, uniforms [B, D+1] float32
+  // -> (accepted [B] int64, bonus [B] int64).
+  m.def(
+      "rejection_sample(Tensor draft_tokens, Tensor target_probs, Tensor draft_probs, Tensor candidate_ids, "
+      "Tensor uniforms) -> (Tensor, Tensor)");
 }

@@ -14,6 +14,12 @@ __all__ = [
     "check_nemo_conv_args",
     "grouped_dynamic_conv",
     "nemo_grouped_dynamic_convolve",
+    "candidate_topk",
+    "greedy_verify",
+    "inverse_cdf_draw",
+    "rejection_sample",
+    "serving_edge_scores",
+    "serving_walk",
 ]
 
 
@@ -229,3 +235,144 @@ def selector_pair_scores(
     gate = torch.nn.functional.embedding(predecessor_ids.long(), predecessor_codebook) * projected
     successors = torch.nn.functional.embedding(candidate_ids.long(), successor_codebook)
     return unary + torch.einsum("...r,...kr->...k", gate, successors)
+
+
+# --- Serving (SPEC sections 2 and 3): top-k, edge scores, the walk, verification ---------
+#
+# Sampling is inverse-CDF against caller-supplied uniforms, so the kernels and these
+# references draw the same tokens from the same uniforms: a draw over weights w picks
+# the first index whose running sum exceeds u * sum(w) (or, when rounding leaves no
+# such index, the last index with positive weight).
+
+
+def serving_score_dtype(logits: torch.Tensor, projected: torch.Tensor, codebook: torch.Tensor) -> torch.dtype:
+    """NeMo's score dtype: unary (logits' dtype) + einsum(A[pred] * P, B[cand])."""
+    return torch.promote_types(logits.dtype, torch.promote_types(codebook.dtype, projected.dtype))
+
+
+def candidate_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits per row, sorted descending: ([..., k] logits' dtype, [..., k] int64)."""
+    return torch.topk(logits, top_k, dim=-1)
+
+
+def serving_edge_scores(
+    projected: torch.Tensor,
+    logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E[b, t, i, j] = U[b, t, j] + T(prev_i, cand[b, t, j]) for every adjacent pair.
+
+    projected [B, D, r], logits [B, D, V], anchor_ids [B] -> (edges [B, D, k, k] in
+    :func:`serving_score_dtype`, candidate_ids [B, D, k] int64). The predecessors of
+    position t > 0 are cand[b, t-1, :]; position 0 has the anchor alone, so every row
+    i of E[b, 0] holds the anchor's scores.
+    """
+    unary, candidate_ids = candidate_topk(logits, top_k)
+    batch, draft = candidate_ids.shape[:2]
+    anchors = anchor_ids.long().reshape(batch, 1, 1).expand(batch, 1, top_k)
+    predecessors = torch.cat([anchors, candidate_ids[:, :-1]], dim=1)  # [B, D, k]
+    gate = predecessor_codebook[predecessors] * projected.unsqueeze(-2)  # [B, D, k, r]
+    successors = successor_codebook[candidate_ids]  # [B, D, k, r]
+    transition = torch.einsum("btir,btjr->btij", gate, successors)
+    return unary.unsqueeze(-2) + transition, candidate_ids
+
+
+def inverse_cdf_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of weights [..., n] (>= 0) by uniforms [...] in [0, 1).
+
+    -1 for a row without positive weight.
+    """
+    running = weights.cumsum(-1)
+    target = (uniforms.to(running.dtype) * running[..., -1]).unsqueeze(-1)
+    above = running > target
+    first_above = torch.where(above.any(-1), above.int().argmax(-1), -1)
+    positive = weights > 0
+    n = weights.shape[-1]
+    last_positive = torch.where(positive.any(-1), n - 1 - positive.flip(-1).int().argmax(-1), -1)
+    return torch.where(first_above >= 0, first_above, last_positive)
+
+
+def serving_walk(
+    projected: torch.Tensor,
+    logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    predecessor_codebook: torch.Tensor,
+    successor_codebook: torch.Tensor,
+    top_k: int,
+    temperature: float,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """NeMo's walk over the edge scores, with sampling driven by uniforms [B, D].
+
+    Returns (path [B, D] int64, candidate_ids [B, D, k] int64, draft_probs [B, D, k]
+    float32 or None when greedy). Greedy takes the first maximum (NaN counts as the
+    maximum, as torch.argmax does); sampled steps draw from q = softmax(E_row.float() / T)
+    with :func:`inverse_cdf_draw`.
+    """
+    edges, candidate_ids = serving_edge_scores(
+        projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k
+    )
+    edges = edges.to(serving_score_dtype(logits, projected, predecessor_codebook))
+    batch, draft = candidate_ids.shape[:2]
+    rows = torch.arange(batch, device=edges.device)
+    choice = torch.zeros(batch, dtype=torch.long, device=edges.device)
+    path, probs = [], []
+    for position in range(draft):
+        scores = edges[rows, position, choice]  # [B, k]
+        if temperature > 0:
+            q = torch.softmax(scores.float() / temperature, dim=-1)
+            choice = inverse_cdf_draw(q, uniforms[:, position])
+            probs.append(q)
+        else:
+            choice = scores.argmax(dim=-1)
+        path.append(candidate_ids[rows, position, choice])
+    return torch.stack(path, 1), candidate_ids, torch.stack(probs, 1) if probs else None
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched lossless verification (SPEC section 3), NeMo's rule per sequence.
+
+    draft_tokens [B, D], target_probs [B, D+1, V], draft_probs [B, D, k], candidate_ids
+    [B, D, k], uniforms [B, D+1] (u[:, t] tests position t, u[:, D] draws the bonus)
+    -> (accepted [B] int64, bonus [B] int64). Accept d_t while u_t * q_t(d_t) < p_t(d_t);
+    the bonus comes from normalize(max(p_a - q_a, 0)) at the first rejection a (p_a if
+    that has no mass), or from p_D when all D are accepted. Computed in float64.
+    """
+    batch, draft = draft_tokens.shape
+    tokens = draft_tokens.long()
+    p_all = target_probs.double().clamp_min(0)
+    q_all = draft_probs.double()
+    p = p_all[:, :draft].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    q = (q_all * (candidate_ids.long() == tokens.unsqueeze(-1))).sum(-1)
+    passed = uniforms[:, :draft].double() * q < p
+    accepted = passed.long().cumprod(-1).sum(-1)
+    rows = torch.arange(batch, device=tokens.device)
+    target_row = p_all[rows, accepted]  # [B, V]
+    rejected = accepted < draft
+    at = accepted.clamp_max(draft - 1)
+    residual = target_row.clone()
+    residual.scatter_add_(-1, candidate_ids.long()[rows, at], -q_all[rows, at])
+    residual = residual.clamp_min(0)
+    use_residual = rejected & (residual.sum(-1) > 0)
+    weights = torch.where(use_residual.unsqueeze(-1), residual, target_row)
+    return accepted, inverse_cdf_draw(weights, uniforms[:, draft])
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix with d_t == argmax p_t, and the verifier's token after it.
+
+    draft_tokens [B, D], target_logits [B, D+1, V] -> (accepted [B], bonus [B]) int64.
+    """
+    target = target_logits.argmax(-1)  # [B, D+1]
+    draft = draft_tokens.shape[1]
+    accepted = (draft_tokens.long() == target[:, :draft]).long().cumprod(-1).sum(-1)
+    return accepted, target.gather(1, accepted.unsqueeze(1)).squeeze(1)
