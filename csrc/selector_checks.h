@@ -27,6 +27,20 @@ inline DType to_dtype(at::ScalarType type) {
   return DType::kFloat32;
 }
 
+// The dtypes of the serving path's logits, codebooks and probabilities.
+inline bool is_serving_float(at::ScalarType type) {
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+}
+
+// CPU only: reads every id (a device tensor would need a host sync).
+inline void check_ids_in_range(const at::Tensor& ids, int64_t vocab, const char* name) {
+  const int64_t* data = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    TORCH_CHECK_INDEX(id_in_range(data[i], vocab), name, " holds ", data[i], " at flat index ", i,
+                      ", out of range for a vocabulary of ", vocab);
+  }
+}
+
 inline bool is_supported_float(at::ScalarType type) {
   return type == at::kFloat || type == at::kHalf || type == at::kBFloat16 || type == at::kDouble;
 }

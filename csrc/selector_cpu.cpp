@@ -36,14 +36,6 @@ void store_dynamic(void* base, int64_t index, at::ScalarType type, double value)
   }
 }
 
-void check_ids_in_range(const at::Tensor& ids, int64_t vocab, const char* name) {
-  const int64_t* data = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ids.numel(); ++i) {
-    TORCH_CHECK_INDEX(id_in_range(data[i], vocab), name, " holds ", data[i], " at flat index ", i,
-                      ", out of range for a vocabulary of ", vocab);
-  }
-}
-
 // Calls f(W{}, P{}) for the codebook dtype W and the projected dtype P (W or float).
 template <typename F>
 void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
@@ -62,24 +54,6 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
     case at::kDouble: return with_projected(double{});
     default: TORCH_CHECK_TYPE(false, "unsupported codebook dtype ", codebook);
   }
-}
-
-// sum_rho x[rho] * y[rho] in kLanes independent partial sums: the compiler turns the
-// lanes into vector registers (a single running sum is a serial dependency it may not
-// reorder), and the lanes' pairwise combination loses less than one long chain.
-template <typename Acc, typename T>
-DFLASH2_ROW_KERNEL Acc lane_dot(const Acc* x, const T* y, int64_t length) {
-  constexpr int kLanes = 16;
-  Acc lanes[kLanes] = {};
-  int64_t rho = 0;
-  for (; rho + kLanes <= length; rho += kLanes) {
-    for (int i = 0; i < kLanes; ++i) lanes[i] += x[rho + i] * static_cast<Acc>(y[rho + i]);
-  }
-  for (int i = 0; rho < length; ++rho, ++i) lanes[i] += x[rho] * static_cast<Acc>(y[rho]);
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-  }
-  return lanes[0];
 }
 
 // y[rho] += a * x[rho]: g's accumulation over a row's candidates.

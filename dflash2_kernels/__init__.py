@@ -3,7 +3,9 @@
 Public API: :func:`grouped_dynamic_conv` (speculators' signature) and
 :class:`GroupedDynamicCausalConv` (speculators' module and checkpoint layout); the
 candidate selector's :class:`CandidateSelector` and its functional forms
-:func:`score_candidates`, :func:`transition_scores` and :func:`pair_scores`.
+:func:`score_candidates`, :func:`transition_scores` and :func:`pair_scores`; the
+serving path's :func:`candidate_topk`, :func:`edge_scores`, :func:`walk` (also
+``CandidateSelector.walk``), :func:`rejection_sample` and :func:`greedy_verify`.
 """
 
 from . import _extension  # registers the compiled ops before anything uses them
@@ -11,6 +13,7 @@ from . import compat, reference
 from .conv import grouped_dynamic_conv
 from .modules import CandidateSelector, GroupedDynamicCausalConv
 from .selector import pair_scores, score_candidates, transition_scores
+from .serving import candidate_topk, edge_scores, greedy_verify, rejection_sample, walk
 
 __version__ = "0.1.0"
 
@@ -18,10 +21,15 @@ __all__ = [
     "CandidateSelector",
     "GroupedDynamicCausalConv",
     "__version__",
+    "candidate_topk",
     "compat",
+    "edge_scores",
+    "greedy_verify",
     "grouped_dynamic_conv",
     "pair_scores",
     "reference",
+    "rejection_sample",
     "score_candidates",
     "transition_scores",
+    "walk",
 ]

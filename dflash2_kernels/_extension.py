@@ -19,6 +19,9 @@ except ImportError as error:  # not built: pure-Python fallbacks take over
     EXTENSION_ERROR = str(error)
 
 
+# Registration does not change while a graph is traced: torch.compile takes the answer
+# as a constant instead of tracing the (untraceable) dispatcher query.
+@torch.compiler.assume_constant_result
 def has_kernel(op_name: str, device_type: str) -> bool:
     """Whether ``torch.ops.dflash2.<op_name>`` has a kernel for ``device_type``."""
     if not EXTENSION_LOADED:

@@ -8,6 +8,7 @@ from torch import nn
 from . import reference
 from .conv import grouped_dynamic_conv
 from .selector import pair_scores, score_candidates, transition_scores
+from .serving import edge_scores, walk
 
 __all__ = ["CandidateSelector", "GroupedDynamicCausalConv"]
 
@@ -174,6 +175,30 @@ class CandidateSelector(nn.Module):
             candidate_ids,
             predecessor_ids,
         )
+
+    def edge_scores(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(edges [B, D, k, k], candidate_ids [B, D, k]) of one drafted block: see :func:`edge_scores`."""
+        return edge_scores(self.hidden_projection(hidden), logits, anchor_ids, self.predecessor_codebook,
+                           self.successor_codebook, self.top_k)
+
+    def walk(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """NeMo's ``walk``, fused: hidden [B, D, H], logits [B, D, V], anchor_ids [B].
+
+        Returns (path [B, D], candidate_ids [B, D, k], draft_probs [B, D, k] float32 or
+        None when temperature == 0); see :func:`walk`.
+        """
+        return walk(self.hidden_projection(hidden), logits, anchor_ids, self.predecessor_codebook,
+                    self.successor_codebook, self.top_k, temperature, generator=generator)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         """The training entry point: :meth:`score_candidates`."""

@@ -275,7 +275,7 @@ def serving_edge_scores(
     anchors = anchor_ids.long().reshape(batch, 1, 1).expand(batch, 1, top_k)
     predecessors = torch.cat([anchors, candidate_ids[:, :-1]], dim=1)  # [B, D, k]
     gate = predecessor_codebook[predecessors] * projected.unsqueeze(-2)  # [B, D, k, r]
-    successors = successor_codebook[candidate_ids]  # [B, D, k, r]
+    successors = successor_codebook[candidate_ids].to(gate.dtype)  # [B, D, k, r]; einsum wants one dtype
     transition = torch.einsum("btir,btjr->btij", gate, successors)
     return unary.unsqueeze(-2) + transition, candidate_ids
 
@@ -310,7 +310,7 @@ def serving_walk(
     Returns (path [B, D] int64, candidate_ids [B, D, k] int64, draft_probs [B, D, k]
     float32 or None when greedy). Greedy takes the first maximum (NaN counts as the
     maximum, as torch.argmax does); sampled steps draw from q = softmax(E_row.float() / T)
-    with :func:`inverse_cdf_draw`.
+    with :func:`inverse_cdf_draw` (the greedy choice when the scores are NaN).
     """
     edges, candidate_ids = serving_edge_scores(
         projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k
@@ -324,7 +324,9 @@ def serving_walk(
         scores = edges[rows, position, choice]  # [B, k]
         if temperature > 0:
             q = torch.softmax(scores.float() / temperature, dim=-1)
-            choice = inverse_cdf_draw(q, uniforms[:, position])
+            drawn = inverse_cdf_draw(q, uniforms[:, position])
+            # NaN scores leave nothing to draw from: fall back to the greedy choice.
+            choice = torch.where(drawn >= 0, drawn, scores.argmax(dim=-1))
             probs.append(q)
         else:
             choice = scores.argmax(dim=-1)
@@ -349,14 +351,13 @@ def rejection_sample(
     """
     batch, draft = draft_tokens.shape
     tokens = draft_tokens.long()
-    p_all = target_probs.double().clamp_min(0)
     q_all = draft_probs.double()
-    p = p_all[:, :draft].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    p = target_probs[:, :draft].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double().clamp_min(0)
     q = (q_all * (candidate_ids.long() == tokens.unsqueeze(-1))).sum(-1)
     passed = uniforms[:, :draft].double() * q < p
     accepted = passed.long().cumprod(-1).sum(-1)
     rows = torch.arange(batch, device=tokens.device)
-    target_row = p_all[rows, accepted]  # [B, V]
+    target_row = target_probs[rows, accepted].double().clamp_min(0)  # [B, V]: only the bonus rows
     rejected = accepted < draft
     at = accepted.clamp_max(draft - 1)
     residual = target_row.clone()

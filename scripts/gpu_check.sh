@@ -25,7 +25,8 @@ start=$(date +%s)
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 "$PY" -c "from dflash2_kernels._extension import has_kernel as h; print('CUDA kernels registered:', h('selector_scores', 'cuda'))" | tee -a "$OUT/env.txt"
 
-timeout 210 "$PY" -m pytest -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || status=1
-timeout 150 "$PY" benchmarks/bench_conv.py --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_conv.txt" || status=1
-timeout 120 "$PY" benchmarks/bench_selector.py --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_selector.txt" || status=1
+timeout 180 "$PY" -m pytest -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || status=1
+timeout 120 "$PY" benchmarks/bench_conv.py --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_conv.txt" || status=1
+timeout 100 "$PY" benchmarks/bench_selector.py --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_selector.txt" || status=1
+timeout 80 "$PY" benchmarks/bench_serving.py --no-compile --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_serving.txt" || status=1
 exit $status

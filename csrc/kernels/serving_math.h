@@ -48,6 +48,15 @@ DFLASH2_HD float key_value(uint32_t key) {
   return bits_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
+// An index no real element has: marks an empty top-k slot together with kEmptyKey.
+constexpr uint32_t kNoIndex = 0xFFFFFFFFu;
+
+// The top-k's total order: the larger key first, and on equal keys the lower index, so
+// the k selected elements and their order are unique whatever the split of the row.
+DFLASH2_HD bool ranks_above(uint32_t key, uint32_t index, uint32_t other_key, uint32_t other_index) {
+  return key > other_key || (key == other_key && index < other_index);
+}
+
 // torch.argmax's choice between two scores: NaN beats everything, then the larger
 // value, and on a tie the lower index.
 DFLASH2_HD bool argmax_prefers(float a, int a_index, float b, int b_index) {

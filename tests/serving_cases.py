@@ -1,0 +1,150 @@
+"""Case tables and input factories for the serving tests (top-k, edges, walk, verification).
+
+The shapes cross the CUDA kernels' edges: vocabularies below one 1,024-element top-k
+slice, across several slices, and with ragged ends; rank across the 128-column
+codebook tile; k from 1 to the 32-lane limit; and the 4,096-element slices of the
+rejection sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@dataclass(frozen=True)
+class BlockCase:
+    batch: int
+    draft: int
+    vocab: int
+    rank: int
+    top_k: int
+    logits_dtype: torch.dtype = torch.float32
+    codebook_dtype: torch.dtype = torch.float32
+    projected_dtype: torch.dtype | None = None  # None: the codebook dtype
+
+    @property
+    def id(self) -> str:
+        short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+        projected = short[self.projected_dtype] if self.projected_dtype else "="
+        return (f"B{self.batch}D{self.draft}V{self.vocab}r{self.rank}k{self.top_k}-"
+                f"{short[self.logits_dtype]}/{short[self.codebook_dtype]}/{projected}")
+
+
+BLOCK_CASES = [
+    BlockCase(1, 1, 1, 1, 1),
+    BlockCase(2, 3, 37, 7, 5),
+    BlockCase(3, 4, 1000, 128, 16),
+    BlockCase(2, 7, 2053, 129, 16, torch.bfloat16, torch.bfloat16),
+    BlockCase(2, 5, 3001, 256, 32, torch.float16, torch.float16),
+    BlockCase(3, 2, 70_001, 64, 16, torch.bfloat16, torch.bfloat16, torch.float32),
+    BlockCase(1, 8, 5000, 33, 7, torch.float32, torch.bfloat16, torch.float32),
+    BlockCase(4, 3, 600, 256, 32, torch.bfloat16, torch.float32),
+]
+
+
+def distinct_top_logits(shape: tuple[int, ...], vocab: int, top_k: int, dtype: torch.dtype,
+                        generator: torch.Generator) -> torch.Tensor:
+    """Logits whose 2k largest values per row are distinct in any 16-bit dtype.
+
+    The rest is N(0, 1); the top 2k sit at 8 + i/4 (i < 2k) at random positions, so the
+    candidates, their order and hence the walk are unique for every implementation.
+    """
+    rows = int(torch.tensor(shape).prod())
+    logits = torch.randn(rows, vocab, generator=generator)
+    lifted = min(2 * top_k, vocab)
+    for row in range(rows):
+        positions = torch.randperm(vocab, generator=generator)[:lifted]
+        logits[row, positions] = 8.0 + torch.arange(lifted, dtype=torch.float32) / 4
+    return logits.view(*shape, vocab).to(dtype)
+
+
+def block_inputs(case: BlockCase, device: str, *, seed: int = 0, scale: float = 0.5):
+    """(projected [B, D, r], logits [B, D, V], anchor_ids [B], A [V, r], B [V, r])."""
+    g = torch.Generator().manual_seed(seed)
+    logits = distinct_top_logits((case.batch, case.draft), case.vocab, case.top_k, case.logits_dtype, g)
+    projected = torch.randn(case.batch, case.draft, case.rank, generator=g)
+    predecessor = torch.randn(case.vocab, case.rank, generator=g) * scale
+    successor = torch.randn(case.vocab, case.rank, generator=g) * scale
+    anchors = torch.randint(0, case.vocab, (case.batch,), generator=g)
+    projected = projected.to(case.projected_dtype or case.codebook_dtype)
+    return (projected.to(device), logits.to(device), anchors.to(device),
+            predecessor.to(case.codebook_dtype).to(device), successor.to(case.codebook_dtype).to(device))
+
+
+def as_float64(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.double() if t.is_floating_point() else t for t in tensors]
+
+
+def walk_over_edges(edges: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+    """The greedy walk over given edge scores [B, D, k, k]: path [B, D] (torch.argmax's ties)."""
+    batch, draft = candidate_ids.shape[:2]
+    rows = torch.arange(batch, device=edges.device)
+    choice = torch.zeros(batch, dtype=torch.long, device=edges.device)
+    path = []
+    for t in range(draft):
+        choice = edges[rows, t, choice].argmax(-1)
+        path.append(candidate_ids[rows, t, choice])
+    return torch.stack(path, 1)
+
+
+@dataclass(frozen=True)
+class VerifyCase:
+    batch: int
+    draft: int
+    vocab: int
+    top_k: int
+    target_dtype: torch.dtype = torch.float32
+    proposal: str = "random"  # random | close | covering | onehot
+
+    @property
+    def id(self) -> str:
+        return f"B{self.batch}D{self.draft}V{self.vocab}k{self.top_k}-{str(self.target_dtype)[6:]}-{self.proposal}"
+
+
+VERIFY_CASES = [
+    VerifyCase(64, 1, 10, 1),
+    VerifyCase(64, 3, 10, 4, proposal="close"),
+    VerifyCase(64, 4, 37, 5, torch.bfloat16),
+    VerifyCase(48, 7, 4097, 16, proposal="close"),
+    VerifyCase(32, 7, 9000, 16, proposal="covering"),
+    VerifyCase(32, 5, 300, 40),
+    VerifyCase(32, 7, 20_000, 16, proposal="onehot"),
+]
+
+
+def verify_inputs(case: VerifyCase, device: str, *, seed: int = 0):
+    """(draft_tokens, target_probs, draft_probs, candidate_ids, uniforms) for one case.
+
+    random: p and q unrelated; close: a sharp p, candidates its top k and q p
+    renormalised on them (most tokens accepted); covering: p is q / 2 on the candidates and 0 elsewhere (an
+    unnormalised row), so half the tokens are rejected with an empty residual and the
+    bonus falls back to p; onehot: a greedy draft (q a point mass).
+    """
+    g = torch.Generator().manual_seed(seed)
+    b, d, v, k = case.batch, case.draft, case.vocab, case.top_k
+    sharpness = 8.0 if case.proposal == "close" else 3.0
+    target = torch.softmax(torch.randn(b, d + 1, v, generator=g) * sharpness, -1)
+    candidates = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(b * d)]).view(b, d, k)
+    if case.proposal == "close":  # the walk's candidates: the top of the distribution
+        candidates = target[:, :d].topk(k, dim=-1).indices
+    if case.proposal == "random":
+        proposal = torch.softmax(torch.randn(b, d, k, generator=g) * 2, -1)
+    elif case.proposal == "onehot":
+        proposal = torch.zeros(b, d, k)
+        proposal[..., 0] = 1.0
+    else:
+        on_candidates = target[:, :d].gather(-1, candidates)
+        proposal = on_candidates / on_candidates.sum(-1, keepdim=True)
+        if case.proposal == "covering":
+            target[:, :d] = 0
+            target[:, :d].scatter_(-1, candidates, proposal / 2)
+    drawn = torch.multinomial(proposal.view(-1, k), 1, generator=g).view(b, d, 1)
+    tokens = candidates.gather(-1, drawn).squeeze(-1)
+    uniforms = torch.rand(b, d + 1, generator=g)
+    tensors = (tokens, target.to(case.target_dtype), proposal.float(), candidates, uniforms)
+    return tuple(t.to(device) for t in tensors)
