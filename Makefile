@@ -6,14 +6,20 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 PY := $(VENV)/bin/python
+# Everything the extension is built from: an edit to any of them rebuilds it (ninja
+# then recompiles only what the edit affects).
+EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env bench bench-selector test cuda-check clean
+.PHONY: env bench bench-selector test test-emulated cuda-check clean
 
-env: $(VENV)/.ready
+env: $(VENV)/.built
 
-$(VENV)/.ready: pyproject.toml setup.py
+$(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" pytest numpy
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" pytest numpy ninja
+	touch $@
+
+$(VENV)/.built: $(VENV)/.ready $(EXTENSION_INPUTS)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -23,12 +29,17 @@ bench: env
 bench-selector: env
 	$(PY) benchmarks/bench_selector.py --out bench_results/selector.jsonl
 
+# The suite, then the CUDA kernels on the CPU's SIMT emulator under AddressSanitizer.
 test: env
 	$(PY) -m pytest
+	$(PY) scripts/emulated.py test
+
+test-emulated: env
+	$(PY) scripts/emulated.py test
 
 # The torch-free CUDA kernels alone, for sm_90: needs cmake and nvcc, not torch or a GPU.
 cuda-check:
 	cmake -S . -B build/cmake -DCMAKE_CUDA_COMPILER=$$(command -v nvcc) && cmake --build build/cmake -j 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench_results
+	rm -rf $(VENV) build *.egg-info bench_results dflash2_kernels/*.so

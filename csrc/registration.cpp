@@ -1,8 +1,10 @@
-// Schemas of every C++ op (one TORCH_LIBRARY for the namespace) and the Python module
+// The op library (schemas: op_schemas.h) and the Python module
 // stub that lets `import dflash2_kernels._C` load this library. Kernels register
 // themselves per device in their own files (TORCH_LIBRARY_IMPL).
 #include <Python.h>
 #include <torch/library.h>
+
+#include "op_schemas.h"
 
 extern "C" {
 // No Python functions: importing the module only runs the static registrations.
@@ -13,43 +15,9 @@ PyMODINIT_FUNC PyInit__C(void) {
 }
 
 TORCH_LIBRARY(dflash2, m) {
-  // The grouped dynamic conv on CPU tensors (SPEC section 1). x [N, H], delta [N, K, G],
-  // base [K, H]; unit last strides, any row strides.
-  m.def("conv_forward_cpu(Tensor x, Tensor delta, Tensor base, int block_size, ScalarType out_dtype) -> Tensor");
-  m.def(
-      "conv_backward_cpu(Tensor grad_out, Tensor x, Tensor delta, Tensor base, int block_size)"
-      " -> (Tensor, Tensor, Tensor)");
-  // The candidate selector's scores (SPEC section 2). unary [N, V] (or [N, k] when
-  // unary_gathered), projected [N, r], codebooks [V, r], predecessor_ids [N],
-  // candidate_ids [N, k] -> scores [N, k] in out_dtype.
-  m.def(
-      "selector_scores(Tensor unary, Tensor projected, Tensor predecessor_codebook, "
-      "Tensor successor_codebook, Tensor predecessor_ids, Tensor candidate_ids, bool unary_gathered, "
-      "ScalarType out_dtype) -> Tensor");
-  // -> (grad_unary [N, unary_width] unary_dtype, grad_projected, grad_predecessor_codebook,
-  //     grad_successor_codebook), each gradient in its input's dtype.
-  m.def(
-      "selector_scores_backward(Tensor grad_scores, Tensor projected, Tensor predecessor_codebook, "
-      "Tensor successor_codebook, Tensor predecessor_ids, Tensor candidate_ids, bool unary_gathered, "
-      "int unary_width, ScalarType unary_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
-
-  // Serving (SPEC sections 2 and 3). logits [R, V] (float16/bfloat16/float32, unit
-  // last stride) -> (values [R, k] logits' dtype, ids [R, k] int64), sorted descending,
-  // NaN above everything; k <= 32.
-  m.def("candidate_topk(Tensor logits, int top_k) -> (Tensor, Tensor)");
-  // One drafted block: logits [B, D, V], projected [B, D, r] (codebook dtype or fp32),
-  // codebooks [V, r], anchor_ids [B] int64, uniforms [B, D] float32 (read only when
-  // temperature > 0). -> (path [B, D] int64, candidate_ids [B, D, k] int64,
-  // draft_probs [B, D, k] float32 (one-hot of the choice when greedy),
-  // edges [B, D, k, k] score_dtype).
-  m.def(
-      "select_path(Tensor logits, Tensor projected, Tensor predecessor_codebook, Tensor successor_codebook, "
-      "Tensor anchor_ids, Tensor uniforms, int top_k, float temperature, ScalarType score_dtype) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
-  // draft_tokens [B, D] int64, target_probs [B, D+1, V] float, draft_probs [B, D, k]
-  // float32, candidate_ids [B, D, k] int64, uniforms [B, D+1] float32
-  // -> (accepted [B] int64, bonus [B] int64).
-  m.def(
-      "rejection_sample(Tensor draft_tokens, Tensor target_probs, Tensor draft_probs, Tensor candidate_ids, "
-      "Tensor uniforms) -> (Tensor, Tensor)");
+  using namespace dflash2::schemas;
+  for (const char* schema : {kConvForwardCpu, kConvBackwardCpu, kSelectorScores, kSelectorScoresBackward,
+                             kCandidateTopk, kSelectPath, kRejectionSample}) {
+    m.def(schema);
+  }
 }

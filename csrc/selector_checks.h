@@ -5,7 +5,10 @@
 
 #include <torch/all.h>
 
+#include <cmath>
+
 #include "kernels/selector_math.h"
+#include "output_alloc.h"
 
 namespace dflash2 {
 
@@ -56,6 +59,9 @@ inline SelectorShape check_selector_operands(const at::Tensor& projected, const 
                     ", got ", successor_codebook.sizes());
   const SelectorShape shape{projected.size(0), predecessor_codebook.size(0), projected.size(1),
                             candidate_ids.dim() == 2 ? candidate_ids.size(1) : -1};
+  // A bad id reads codebook row 0 (and discards it) on CUDA: the row must exist.
+  TORCH_CHECK_VALUE(shape.vocab >= 1, "codebooks must have at least one row (V >= 1), got ",
+                    predecessor_codebook.sizes());
   TORCH_CHECK_VALUE(predecessor_codebook.size(1) == shape.rank, "codebooks must be [V, ", shape.rank,
                     "] to match projected, got ", predecessor_codebook.sizes());
   TORCH_CHECK_VALUE(candidate_ids.dim() == 2 && candidate_ids.size(0) == shape.rows, "candidate_ids must be [",
@@ -97,9 +103,24 @@ inline void check_unary(const at::Tensor& unary, bool unary_gathered, const Sele
   TORCH_CHECK_VALUE(unary.device() == projected.device(), "unary must be on ", projected.device());
 }
 
-inline void check_grad_scores(const at::Tensor& grad_scores, const SelectorShape& shape) {
+inline void check_grad_scores(const at::Tensor& grad_scores, const SelectorShape& shape,
+                              const at::Tensor& projected) {
   TORCH_CHECK_VALUE(grad_scores.dim() == 2 && grad_scores.size(0) == shape.rows && grad_scores.size(1) == shape.top_k,
                     "grad_scores must be [", shape.rows, ", ", shape.top_k, "], got ", grad_scores.sizes());
+  TORCH_CHECK_TYPE(is_supported_float(grad_scores.scalar_type()),
+                   "grad_scores must be float16, bfloat16, float32 or float64, got ", grad_scores.scalar_type());
+  // A host tensor's pointer read by a CUDA kernel is an illegal address that poisons the context.
+  TORCH_CHECK_VALUE(grad_scores.device() == projected.device(), "grad_scores must be on ", projected.device(),
+                    ", got ", grad_scores.device());
+}
+
+// The temperature the serving kernels use is a float32: greedy versus sampled is decided
+// from that value, so a positive double that rounds to 0 is greedy on every backend.
+inline float kernel_temperature(double temperature) {
+  const float value = static_cast<float>(temperature);
+  TORCH_CHECK_VALUE(std::isfinite(value) && value >= 0.0f, "temperature must be finite and >= 0 as a float32, got ",
+                    temperature);
+  return value;
 }
 
 // The backward's results, allocated alike on every device: dU is dS cast when the
@@ -118,8 +139,10 @@ inline SelectorGradients allocate_selector_gradients(const at::Tensor& grad, con
                                                      int64_t unary_width, at::ScalarType unary_dtype) {
   const auto options = projected.options();
   return SelectorGradients{
-      unary_gathered ? grad.to(unary_dtype) : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype)),
-      at::empty({shape.rows, shape.rank}, options),
+      // A copy even in the same dtype: an output never aliases grad_scores.
+      unary_gathered ? grad.to(unary_dtype, /*non_blocking=*/false, /*copy=*/true)
+                     : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype)),
+      empty_output({shape.rows, shape.rank}, options),
       at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options()),
       at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options()),
   };

@@ -10,6 +10,7 @@
 
 #include "cpu_row_kernel.h"
 #include "kernels/selector_math.h"
+#include "output_alloc.h"
 #include "selector_checks.h"
 
 namespace dflash2 {
@@ -224,7 +225,7 @@ at::Tensor selector_scores_cpu(const at::Tensor& unary, const at::Tensor& projec
   const at::Tensor candidates = candidate_ids.contiguous();
   check_ids_in_range(predecessors, shape.vocab, "predecessor_ids");
   check_ids_in_range(candidates, shape.vocab, "candidate_ids");
-  at::Tensor scores = at::empty({shape.rows, shape.top_k}, projected.options().dtype(out_dtype));
+  at::Tensor scores = empty_output({shape.rows, shape.top_k}, projected.options().dtype(out_dtype));
   const Rows rows{projected,   predecessor_codebook, successor_codebook, predecessors.data_ptr<int64_t>(),
                   candidates.data_ptr<int64_t>(), shape};
   dispatch_types(predecessor_codebook.scalar_type(), projected.scalar_type(), [&](auto codebook_tag, auto projected_tag) {
@@ -239,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
     bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype) {
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
-  check_grad_scores(grad_scores, shape);
+  check_grad_scores(grad_scores, shape, projected);
   const at::Tensor grad = grad_scores.contiguous();
   const at::Tensor predecessors = predecessor_ids.contiguous();
   const at::Tensor candidates = candidate_ids.contiguous();

@@ -1,11 +1,11 @@
 // CUDA bindings of the selector ops: checks, allocations, the sorts that make dA and
 // dB deterministic, and the launch on the current stream. Kernels: kernels/selector_kernels.cu.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+// Also compiled for CPU tensors and the SIMT emulator (device_binding.h).
 #include <torch/all.h>
 
+#include "device_binding.h"
 #include "kernels/selector.cuh"
+#include "output_alloc.h"
 #include "selector_checks.h"
 
 namespace dflash2 {
@@ -45,10 +45,10 @@ at::Tensor selector_scores_cuda(const at::Tensor& unary, const at::Tensor& proje
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
   check_unary(unary, unary_gathered, shape, projected);
-  const c10::cuda::CUDAGuard device_guard(projected.device());
+  const KernelDeviceGuard device_guard(projected.device());
   const at::Tensor predecessors = predecessor_ids.contiguous();
   const at::Tensor candidates = candidate_ids.contiguous();
-  at::Tensor scores = at::empty({shape.rows, shape.top_k}, projected.options().dtype(out_dtype));
+  at::Tensor scores = empty_output({shape.rows, shape.top_k}, projected.options().dtype(out_dtype));
 
   const SelectorForwardParams params{
       make_operands(projected, predecessor_codebook, successor_codebook, predecessors, candidates, shape),
@@ -58,7 +58,7 @@ at::Tensor selector_scores_cuda(const at::Tensor& unary, const at::Tensor& proje
       unary_gathered,
       scores.data_ptr(),
       to_dtype(out_dtype)};
-  C10_CUDA_CHECK(launch_selector_forward(params, c10::cuda::getCurrentCUDAStream()));
+  check_launch(launch_selector_forward(params, kernel_stream()));
   return scores;
 }
 
@@ -68,8 +68,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
     bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype) {
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
-  check_grad_scores(grad_scores, shape);
-  const c10::cuda::CUDAGuard device_guard(projected.device());
+  check_grad_scores(grad_scores, shape, projected);
+  const KernelDeviceGuard device_guard(projected.device());
   const at::Tensor grad = grad_scores.contiguous();
   const at::Tensor predecessors = predecessor_ids.contiguous();
   const at::Tensor candidates = candidate_ids.contiguous();
@@ -78,8 +78,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
 
   SelectorGradients grads = allocate_selector_gradients(grad, projected, predecessor_codebook, shape, unary_gathered,
                                                         unary_width, unary_dtype);
-  at::Tensor projected_times_g = at::empty({shape.rows, shape.rank}, options.dtype(accumulator));
-  at::Tensor partials = at::empty(
+  at::Tensor projected_times_g = empty_output({shape.rows, shape.rank}, options.dtype(accumulator));
+  at::Tensor partials = empty_output(
       {segment_chunks(shape.rows) + segment_chunks(shape.rows * shape.top_k), 2, shape.rank}, options.dtype(accumulator));
   // Stable sorts group equal ids in row order: the segmented sums then add each id's
   // terms in one fixed order, so dA and dB are bitwise reproducible without atomics.
@@ -102,13 +102,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
       predecessor_order.data_ptr<int64_t>(),
       candidate_sorted.data_ptr<int64_t>(),
       candidate_order.data_ptr<int64_t>()};
-  C10_CUDA_CHECK(launch_selector_backward(params, c10::cuda::getCurrentCUDAStream()));
+  check_launch(launch_selector_backward(params, kernel_stream()));
   return {grads.unary, grads.projected, grads.predecessor_codebook, grads.successor_codebook};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dflash2, CUDA, m) {
+DFLASH2_KERNEL_LIBRARY_IMPL(m) {
   m.impl("selector_scores", &selector_scores_cuda);
   m.impl("selector_scores_backward", &selector_scores_backward_cuda);
 }

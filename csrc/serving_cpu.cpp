@@ -14,6 +14,7 @@
 
 #include "cpu_row_kernel.h"
 #include "kernels/serving_math.h"
+#include "output_alloc.h"
 #include "selector_checks.h"
 
 namespace dflash2 {
@@ -187,8 +188,8 @@ std::tuple<at::Tensor, at::Tensor> candidate_topk_cpu(const at::Tensor& logits, 
   check_serving_float(logits, "logits");
   check_top_k(top_k, logits.size(1));
   const at::Tensor rows = with_unit_last_stride(logits);
-  at::Tensor values = at::empty({rows.size(0), top_k}, rows.options());
-  at::Tensor ids = at::empty({rows.size(0), top_k}, rows.options().dtype(at::kLong));
+  at::Tensor values = empty_output({rows.size(0), top_k}, rows.options());
+  at::Tensor ids = empty_output({rows.size(0), top_k}, rows.options().dtype(at::kLong));
   dispatch_serving_float(rows.scalar_type(), [&](auto tag) {
     topk_rows<decltype(tag)>(rows, static_cast<int>(top_k), values, ids);
   });
@@ -236,8 +237,7 @@ BlockShape check_select_path(const at::Tensor& logits, const at::Tensor& project
                    score_dtype);
   check_top_k(top_k, shape.vocab);
   // Also rejects NaN, which would silently select greedy decoding.
-  TORCH_CHECK_VALUE(temperature >= 0, "temperature must be >= 0, got ", temperature);
-  if (temperature > 0) {
+  if (kernel_temperature(temperature) > 0.0f) {
     check_cpu(uniforms, "uniforms");
     check_shape(uniforms, {shape.batch, shape.draft}, "uniforms", "[B, D]");
     check_dtype(uniforms, at::kFloat, "uniforms");
@@ -402,14 +402,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_path_cpu(
   // P is B*D*r values: converting it to fp32 (exact) costs nothing and leaves the
   // codebook dtype as the only type parameter of the edge math.
   const at::Tensor projected_f32 = projected.to(at::kFloat).contiguous();
-  const at::Tensor draws = temperature > 0 ? uniforms.contiguous() : at::Tensor();
+  const float kernel_temp = kernel_temperature(temperature);
+  const at::Tensor draws = kernel_temp > 0.0f ? uniforms.contiguous() : at::Tensor();
 
   const auto options = logits.options();
-  at::Tensor path = at::empty({shape.batch, shape.draft}, options.dtype(at::kLong));
-  at::Tensor candidate_ids = at::empty({shape.batch, shape.draft, top_k}, options.dtype(at::kLong));
-  at::Tensor draft_probs = at::empty({shape.batch, shape.draft, top_k}, options.dtype(at::kFloat));
-  at::Tensor unary = at::empty({shape.batch, shape.draft, top_k}, options.dtype(at::kFloat));
-  at::Tensor scores = at::empty({shape.batch, shape.draft, top_k, top_k}, options.dtype(at::kFloat));
+  at::Tensor path = empty_output({shape.batch, shape.draft}, options.dtype(at::kLong));
+  at::Tensor candidate_ids = empty_output({shape.batch, shape.draft, top_k}, options.dtype(at::kLong));
+  at::Tensor draft_probs = empty_output({shape.batch, shape.draft, top_k}, options.dtype(at::kFloat));
+  at::Tensor unary = empty_output({shape.batch, shape.draft, top_k}, options.dtype(at::kFloat));
+  at::Tensor scores = empty_output({shape.batch, shape.draft, top_k, top_k}, options.dtype(at::kFloat));
   const BlockBuffers buffers{candidate_ids.data_ptr<int64_t>(), unary.data_ptr<float>(), scores.data_ptr<float>(),
                              anchors.data_ptr<int64_t>(), projected_f32.data_ptr<float>()};
 
@@ -419,10 +420,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_path_cpu(
     block_edge_scores<decltype(tag)>(a_rows, b_rows, shape, buffers, score_dtype);
   });
   const WalkOutputs out{path.data_ptr<int64_t>(), draft_probs.data_ptr<float>()};
-  const float* uniform_data = temperature > 0 ? draws.data_ptr<float>() : nullptr;
+  const float* uniform_data = kernel_temp > 0.0f ? draws.data_ptr<float>() : nullptr;
   at::parallel_for(0, shape.batch, grain_for(shape.draft * top_k), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      walk_sequence(b, shape, buffers, static_cast<float>(temperature), uniform_data, out);
+      walk_sequence(b, shape, buffers, kernel_temp, uniform_data, out);
     }
   });
   // The scores already hold score-dtype values, so this cast is exact.
@@ -514,6 +515,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
   const int64_t draft = draft_tokens.size(1);
   const int64_t top_k = draft_probs.size(2);
   const int64_t vocab = target_probs.size(2);
+  TORCH_CHECK_VALUE(vocab >= 1 && vocab <= kMaxVerifyVocab, "target_probs must have a vocabulary of 1 to ",
+                    kMaxVerifyVocab, " tokens, got ", vocab);
   check_shape(target_probs, {batch, draft + 1, vocab}, "target_probs", "[B, D+1, V]");
   check_shape(draft_probs, {batch, draft, top_k}, "draft_probs", "[B, D, k]");
   check_shape(candidate_ids, {batch, draft, top_k}, "candidate_ids", "[B, D, k]");
@@ -531,8 +534,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
   const at::Tensor probs = draft_probs.contiguous();
   const at::Tensor draws = uniforms.contiguous();
   const at::Tensor target = with_unit_last_stride(target_probs);
-  at::Tensor accepted = at::empty({batch}, draft_tokens.options());
-  at::Tensor bonus = at::empty({batch}, draft_tokens.options());
+  at::Tensor accepted = empty_output({batch}, draft_tokens.options());
+  at::Tensor bonus = empty_output({batch}, draft_tokens.options());
 
   const VerifyInputs in{tokens.data_ptr<int64_t>(), probs.data_ptr<float>(), candidates.data_ptr<int64_t>(),
                         draws.data_ptr<float>(), draft, top_k, vocab};

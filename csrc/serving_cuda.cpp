@@ -1,14 +1,14 @@
 // CUDA bindings of the serving ops: checks, allocations and the launches on the
 // current stream. Kernels: kernels/serving_kernels.cu (top-k, edges, walk) and
-// kernels/verify_kernels.cu (rejection sampling).
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+// kernels/verify_kernels.cu (rejection sampling). Also compiled for CPU tensors and the
+// SIMT emulator (device_binding.h).
 #include <torch/all.h>
 
 #include <cmath>
 
+#include "device_binding.h"
 #include "kernels/serving.cuh"
+#include "output_alloc.h"
 #include "selector_checks.h"
 
 namespace dflash2 {
@@ -40,8 +40,8 @@ TopkPlan plan_topk(const at::Tensor& rows, int64_t top_k) {
   const TopkSplit split = plan_topk_split(std::max<int64_t>(rows.size(0), 1), vocab, rows.get_device());
   const auto words = rows.options().dtype(at::kInt);
   TopkPlan plan;
-  plan.partial_keys = at::empty({rows.size(0), split.slices, top_k}, words);
-  plan.partial_indices = at::empty({rows.size(0), split.slices, top_k}, words);
+  plan.partial_keys = empty_output({rows.size(0), split.slices, top_k}, words);
+  plan.partial_indices = empty_output({rows.size(0), split.slices, top_k}, words);
   plan.params = TopkParams{rows.data_ptr(),
                            to_dtype(rows.scalar_type()),
                            rows.stride(0),
@@ -59,12 +59,12 @@ TopkPlan plan_topk(const at::Tensor& rows, int64_t top_k) {
 
 std::tuple<at::Tensor, at::Tensor> candidate_topk_cuda(const at::Tensor& logits, int64_t top_k) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, V], got ", logits.sizes());
-  const c10::cuda::CUDAGuard device_guard(logits.device());
+  const KernelDeviceGuard device_guard(logits.device());
   TopkPlan plan = plan_topk(logits, top_k);
-  at::Tensor values = at::empty({logits.size(0), top_k}, logits.options());
-  at::Tensor ids = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kLong));
-  C10_CUDA_CHECK(launch_candidate_topk(plan.params, TopkOutputs{values.data_ptr(), ids.data_ptr<int64_t>()},
-                                       c10::cuda::getCurrentCUDAStream()));
+  at::Tensor values = empty_output({logits.size(0), top_k}, logits.options());
+  at::Tensor ids = empty_output({logits.size(0), top_k}, logits.options().dtype(at::kLong));
+  check_launch(launch_candidate_topk(plan.params, TopkOutputs{values.data_ptr(), ids.data_ptr<int64_t>()},
+                                       kernel_stream()));
   return {values, ids};
 }
 
@@ -93,31 +93,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_path_cuda(
                    "projected must be in the codebook dtype or float32, got ", projected.scalar_type());
   TORCH_CHECK_TYPE(is_serving_float(score_dtype), "score_dtype must be float16, bfloat16 or float32, got ",
                    score_dtype);
-  TORCH_CHECK_VALUE(temperature >= 0.0 && std::isfinite(temperature), "temperature must be finite and >= 0, got ",
-                    temperature);
-  const bool sampled = temperature > 0.0;
+  const float kernel_temp = kernel_temperature(temperature);
+  const bool sampled = kernel_temp > 0.0f;
   if (sampled) {
     TORCH_CHECK_VALUE(uniforms.sizes() == at::IntArrayRef({batch, draft}) && uniforms.scalar_type() == at::kFloat,
                       "uniforms must be float32 [", batch, ", ", draft, "], got ", uniforms.scalar_type(), " ",
                       uniforms.sizes());
+    TORCH_CHECK_VALUE(uniforms.device() == logits.device(), "uniforms must be on ", logits.device(), ", got ",
+                      uniforms.device());
   }
   check_unit_last_stride(predecessor_codebook, "predecessor_codebook");
   check_unit_last_stride(successor_codebook, "successor_codebook");
   for (const at::Tensor* tensor : {&projected, &predecessor_codebook, &successor_codebook, &anchor_ids}) {
     TORCH_CHECK_VALUE(tensor->device() == logits.device(), "all select_path tensors must be on ", logits.device());
   }
-  const c10::cuda::CUDAGuard device_guard(logits.device());
+  const KernelDeviceGuard device_guard(logits.device());
   const at::Tensor rows = logits.reshape({batch * draft, vocab});
   TopkPlan plan = plan_topk(rows, top_k);
   const at::Tensor projected_rows = projected.contiguous();
   const at::Tensor anchors = anchor_ids.contiguous();
   const at::Tensor draws = sampled ? uniforms.contiguous() : uniforms;
   const auto options = logits.options();
-  at::Tensor path = at::empty({batch, draft}, options.dtype(at::kLong));
-  at::Tensor candidate_ids = at::empty({batch, draft, top_k}, options.dtype(at::kLong));
-  at::Tensor draft_probs = at::empty({batch, draft, top_k}, options.dtype(at::kFloat));
-  at::Tensor edges = at::empty({batch, draft, top_k, top_k}, options.dtype(score_dtype));
-  at::Tensor counters = at::empty({batch}, options.dtype(at::kInt));
+  at::Tensor path = empty_output({batch, draft}, options.dtype(at::kLong));
+  at::Tensor candidate_ids = empty_output({batch, draft, top_k}, options.dtype(at::kLong));
+  at::Tensor draft_probs = empty_output({batch, draft, top_k}, options.dtype(at::kFloat));
+  at::Tensor edges = empty_output({batch, draft, top_k, top_k}, options.dtype(score_dtype));
+  at::Tensor counters = empty_output({batch}, options.dtype(at::kInt));
   plan.params.counters = counters.data_ptr<int32_t>();
   plan.params.counter_count = batch;
 
@@ -133,14 +134,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_path_cuda(
                                 batch,
                                 draft,
                                 rank,
-                                static_cast<float>(temperature),
+                                kernel_temp,
                                 path.data_ptr<int64_t>(),
                                 candidate_ids.data_ptr<int64_t>(),
                                 draft_probs.data_ptr<float>(),
                                 edges.data_ptr(),
                                 to_dtype(score_dtype),
                                 counters.data_ptr<int32_t>()};
-  C10_CUDA_CHECK(launch_select_path(plan.params, params, c10::cuda::getCurrentCUDAStream()));
+  check_launch(launch_select_path(plan.params, params, kernel_stream()));
   return {path, candidate_ids, draft_probs, edges};
 }
 
@@ -158,7 +159,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
   TORCH_CHECK_VALUE(draft_probs.dim() == 3 && draft_probs.size(0) == batch && draft_probs.size(1) == draft,
                     "draft_probs must be [", batch, ", ", draft, ", k], got ", draft_probs.sizes());
   const int64_t top_k = draft_probs.size(2);
-  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= 64, "rejection_sample on CUDA takes 1 to 64 candidates, got ", top_k);
+  TORCH_CHECK_VALUE(top_k >= 1, "draft_probs must be [B, D, k] with k >= 1, got ", draft_probs.sizes());
+  TORCH_CHECK_VALUE(vocab >= 1 && vocab <= kMaxVerifyVocab, "target_probs must have a vocabulary of 1 to ",
+                    kMaxVerifyVocab, " tokens, got ", vocab);
   TORCH_CHECK_VALUE(candidate_ids.sizes() == draft_probs.sizes(), "candidate_ids must have draft_probs' shape ",
                     draft_probs.sizes(), ", got ", candidate_ids.sizes());
   TORCH_CHECK_VALUE(uniforms.sizes() == at::IntArrayRef({batch, draft + 1}), "uniforms must be [", batch, ", ",
@@ -171,20 +174,19 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                    "target_probs must be float16, bfloat16 or float32, got ", target_probs.scalar_type());
   check_unit_last_stride(target_probs, "target_probs");
   const int64_t slices = (vocab + kVerifySliceLength - 1) / kVerifySliceLength;
-  TORCH_CHECK_VALUE(slices <= kMaxVerifySlices, "vocabulary too large for rejection_sample on CUDA: ", vocab);
   for (const at::Tensor* tensor : {&target_probs, &draft_probs, &candidate_ids, &uniforms}) {
     TORCH_CHECK_VALUE(tensor->device() == draft_tokens.device(), "all rejection_sample tensors must be on ",
                       draft_tokens.device());
   }
-  const c10::cuda::CUDAGuard device_guard(draft_tokens.device());
+  const KernelDeviceGuard device_guard(draft_tokens.device());
   const at::Tensor tokens = draft_tokens.contiguous();
   const at::Tensor proposal = draft_probs.contiguous();
   const at::Tensor candidates = candidate_ids.contiguous();
   const at::Tensor draws = uniforms.contiguous();
   const auto options = draft_tokens.options();
-  at::Tensor accepted = at::empty({batch}, options.dtype(at::kLong));
-  at::Tensor bonus = at::empty({batch}, options.dtype(at::kLong));
-  at::Tensor slice_mass = at::empty({batch, slices, 2}, options.dtype(at::kFloat));
+  at::Tensor accepted = empty_output({batch}, options.dtype(at::kLong));
+  at::Tensor bonus = empty_output({batch}, options.dtype(at::kLong));
+  at::Tensor slice_mass = empty_output({batch, slices, 2}, options.dtype(at::kFloat));
   const RejectionParams params{tokens.data_ptr<int64_t>(),
                                target_probs.data_ptr(),
                                to_dtype(target_probs.scalar_type()),
@@ -202,13 +204,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                                slice_mass.data_ptr<float>(),
                                accepted.data_ptr<int64_t>(),
                                bonus.data_ptr<int64_t>()};
-  C10_CUDA_CHECK(launch_rejection_sample(params, c10::cuda::getCurrentCUDAStream()));
+  check_launch(launch_rejection_sample(params, kernel_stream()));
   return {accepted, bonus};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dflash2, CUDA, m) {
+DFLASH2_KERNEL_LIBRARY_IMPL(m) {
   m.impl("candidate_topk", &candidate_topk_cuda);
   m.impl("select_path", &select_path_cuda);
   m.impl("rejection_sample", &rejection_sample_cuda);

@@ -1,32 +1,259 @@
 #!/usr/bin/env bash
-# The one script for a GPU machine: build (the CUDA extension for sm_90), the whole
-# test suite (GPU tests included), the benchmarks. Everything it prints is also written
-# under $OUT (default ./gpu_check_out).
-#   bash scripts/gpu_check.sh            # under 8 minutes on one H200
-# Uses the machine's python3 and its torch/triton; needs no network.
+# The one script for a GPU machine: build the CUDA extension (sm_90), the GPU tests, the
+# rest of the suite, the benchmarks. Every step's full log lands under $OUT (default
+# ./gpu_check_out) with env.txt and summary.txt; the console gets one line per step and
+# the summary last.
+#   DFLASH2_COMMIT=$(git rev-parse --short=12 HEAD) OUT=/some/dir bash scripts/gpu_check.sh
+# ends within 9 minutes on one H200. DFLASH2_COMMIT names the commit where the copy has
+# no .git (env.txt and every benchmark record carry it). Uses the machine's python3 (or
+# $PYTHON) and its torch/triton; needs no network.
+# Exit status: 0 when every required step passed, 1 otherwise.
+#
+# A GPU machine is lent rarely, for ~15 minutes of device time and one command of at
+# most 10 minutes, so one run has to bring back everything: a step that fails or times
+# out never stops the later ones, and each step has its own cap so that one hang cannot
+# eat the others' time. Caps (seconds) and why:
+#   build           150  the CUDA build takes ~60 s there with 16 jobs; nothing else is
+#                        worth much without it, so it gets the widest margin
+#   kernels          30  import check: are the CUDA kernels registered, is a GPU visible
+#   tests_gpu       120  161 tests, cold Triton cache: one JIT compile per kernel
+#                        specialization plus two inductor compiles (fullgraph tests)
+#   tests_rest      120  ~415 tests; the slow ones are the sm_90 AOT compile child
+#                        (~30 s), an inductor compile on CPU, and the conv's gradcheck
+#   bench_conv       50  --no-compile, all five GPU shapes (the targets sit at
+#                        16384x4096, which --quick drops); torch.compile warm-up of the
+#                        reference would cost more than the whole step
+#   bench_selector   50  --no-compile, both shapes
+#   bench_serving    60  --no-compile, B in {1, 8, 32, 128}; many CUDA-graph captures
+# The caps add up to 580 s, more than fits: they are there against hangs. The hard bound
+# is BUDGET_S: no step may run past it (its cap shrinks to what is left), so the run ends
+# at BUDGET_S plus the summary, within 9 minutes even when every step runs to its cap;
+# then the last benchmarks are cut short or skipped, and the summary still comes back.
+# Time the required steps leave unused (expected: a few minutes) goes to the optional
+# torch.compile comparisons (conv: the ">= 2x torch.compile" target), each started
+# only when its whole cap still fits: the benchmarks write their records only at the
+# end, so a cut-short run is wasted time. Optional steps never change the exit status.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$PWD/gpu_check_out}"
 PY="${PYTHON:-python3}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-525}"
+KILL_AFTER=10   # a step ignoring SIGINT (a hung kernel) is killed this long after its cap
+MIN_STEP_S=15   # a required step with less time than this left is not started
 mkdir -p "$OUT"
+rm -f "$OUT/bench.jsonl" "$OUT/bench_compile.jsonl"   # the benchmarks append; start clean
 export PYTHONUNBUFFERED=1
-status=0
+export MAX_JOBS="${MAX_JOBS:-16}"
+# A CPU-only build would "pass" and quietly skip every CUDA kernel: make it an error.
+export DFLASH2_BUILD_CUDA="${DFLASH2_BUILD_CUDA:-1}"
+# Triton 3.6's interpreter breaks on numpy >= 2.4, so nothing here may use it. With a
+# GPU visible, tests/conftest.py leaves TRITON_INTERPRET alone and the tests that run
+# under the interpreter elsewhere (the "triton" ids of test_conv_numerics and
+# test_conv_op) run the compiled kernels on CUDA; no test forces the interpreter
+# (test_triton_aot strips it for its child), so nothing is deselected. 0 rather than
+# unset: conftest only setdefault()s it, so should CUDA not be visible those tests skip
+# instead of interpreting (and the kernels step fails loudly).
+export TRITON_INTERPRET=0
+SECONDS=0
 
 {
   date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
+  if command -v nvidia-smi >/dev/null; then
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  else
+    echo "nvidia-smi: not found"
+  fi
+  command -v nvcc >/dev/null && nvcc --version | tail -n 1
+  timeout 60 "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| numpy', numpy.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
+    || echo "python probe failed"
   echo "commit ${DFLASH2_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$OUT/env.txt"
 
-export MAX_JOBS="${MAX_JOBS:-16}"
-start=$(date +%s)
-"$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
-"$PY" -c "from dflash2_kernels._extension import has_kernel as h; print('CUDA kernels registered:', h('selector_scores', 'cuda'))" | tee -a "$OUT/env.txt"
+STEP_NAMES=() STEP_STATUS=() STEP_RC=() STEP_SECS=() STEP_CAPS=()
+required_failed=()
 
-timeout 180 "$PY" -m pytest -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || status=1
-timeout 120 "$PY" benchmarks/bench_conv.py --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_conv.txt" || status=1
-timeout 100 "$PY" benchmarks/bench_selector.py --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_selector.txt" || status=1
-timeout 80 "$PY" benchmarks/bench_serving.py --no-compile --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_serving.txt" || status=1
-exit $status
+# The failed tests named in a pytest log (its short summary), at most 10.
+failures() {
+  grep -E '^(FAILED|ERROR) ' "$1" | head -n 10 | cut -c 1-200
+}
+
+# run_step KIND NAME CAP CMD...: CMD under `timeout`, its output in $OUT/NAME.log,
+# its outcome recorded for the summary. SIGINT first, so that pytest still prints its
+# summary line and the test it was in.
+run_step() {
+  local kind=$1 name=$2 cap=$3; shift 3
+  local log="$OUT/$name.log" left=$(( BUDGET_S - SECONDS - KILL_AFTER )) limit=$cap status rc start secs cmd failed
+  (( left < limit )) && limit=$left
+  if { [[ $kind == optional ]] && (( left < cap )); } || (( limit < MIN_STEP_S )); then
+    printf '[%3ds] %-16s skipped: %d s left of the budget, cap %d s\n' "$SECONDS" "$name" "$(( left > 0 ? left : 0 ))" "$cap"
+    rm -f "$log"   # an earlier run's log in a reused $OUT would pass for this one's
+    STEP_NAMES+=("$name") STEP_STATUS+=("skipped") STEP_RC+=("-") STEP_SECS+=(0) STEP_CAPS+=("$cap")
+    [[ $kind == required ]] && required_failed+=("$name")
+    return 0
+  fi
+  cmd="$*"
+  cmd=${cmd//$'\n'/ }
+  printf '[%3ds] %-16s started (timeout %d s): %.150s\n' "$SECONDS" "$name" "$limit" "$cmd"
+  echo "\$ $*" >"$log"
+  start=$SECONDS
+  timeout -s INT -k "$KILL_AFTER" "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  secs=$(( SECONDS - start ))
+  if (( rc == 0 )); then
+    status=passed
+  elif (( rc == 124 || (rc == 137 && secs >= limit) )); then
+    status="TIMED OUT"
+  else
+    status=FAILED
+  fi
+  printf '[%3ds] %-16s %s (rc %s, %d s)\n' "$SECONDS" "$name" "$status" "$rc" "$secs"
+  if (( rc != 0 )); then
+    # pytest lists its failures above the skips of -ra, out of reach of a plain tail
+    failed=$(failures "$log")
+    if [[ -n $failed ]]; then
+      printf '%s\n' "$failed"
+      tail -n 1 "$log"
+    else
+      tail -n 15 "$log"
+    fi | sed 's/^/    | /'
+    [[ $kind == required ]] && required_failed+=("$name")
+  fi
+  STEP_NAMES+=("$name") STEP_STATUS+=("$status") STEP_RC+=("$rc") STEP_SECS+=("$secs") STEP_CAPS+=("$limit")
+  return 0
+}
+step() { run_step required "$@"; }
+optional_step() { run_step optional "$@"; }
+
+# --no-index / no version check: there is no network, and pip would otherwise spend
+# the build's budget on retries.
+step build 150 "$PY" -m pip install --no-build-isolation --no-deps --no-index --disable-pip-version-check -e .
+echo "build: rc ${STEP_RC[-1]}, ${STEP_SECS[-1]} s" >>"$OUT/env.txt"
+step kernels 30 "$PY" -c "
+import torch
+from dflash2_kernels._extension import EXTENSION_ERROR, has_kernel
+ops = ['selector_scores', 'selector_scores_backward', 'candidate_topk', 'select_path', 'rejection_sample']
+missing = [op for op in ops if not has_kernel(op, 'cuda')]
+print('CUDA device visible:', torch.cuda.is_available(), '| extension import error:', EXTENSION_ERROR)
+print('CUDA kernels registered:', 'all' if not missing else 'missing ' + ', '.join(missing))
+raise SystemExit(1 if missing or not torch.cuda.is_available() else 0)
+"
+grep -E '^CUDA (device visible|kernels registered)' "$OUT/kernels.log" >>"$OUT/env.txt" 2>/dev/null
+
+# -v names each test as it starts, so a timed-out log shows where it hung; --durations
+# sizes the next run's caps.
+PYTEST=("$PY" -m pytest -v -p no:cacheprovider --durations=15)
+step tests_gpu 120 "${PYTEST[@]}" -m gpu
+step tests_rest 120 "${PYTEST[@]}" -m "not gpu"
+
+step bench_conv 50 "$PY" benchmarks/bench_conv.py --no-compile --out "$OUT/bench.jsonl"
+step bench_selector 50 "$PY" benchmarks/bench_selector.py --no-compile --out "$OUT/bench.jsonl"
+step bench_serving 60 "$PY" benchmarks/bench_serving.py --no-compile --out "$OUT/bench.jsonl"
+
+# Inductor's cold compiles dominate these (4 graphs for conv --quick, 3 for selector).
+optional_step conv_compile 100 "$PY" benchmarks/bench_conv.py --quick --out "$OUT/bench_compile.jsonl"
+optional_step selector_compile 90 "$PY" benchmarks/bench_selector.py --quick --out "$OUT/bench_compile.jsonl"
+
+# pytest_line LOG STATUS: the final "N passed, ..." line of a pytest log; for a run
+# cut short, also the test it was in (-v prints its id before running it).
+pytest_line() {
+  local line running=""
+  line=$(grep -E '^=+ .* in [0-9.]+s( \([0-9:]+\))? =+$' "$1" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  [[ $2 == "TIMED OUT" ]] && running=$(grep -E '^tests/[^ ]+::[^ ]+ *$' "$1" | tail -n 1 | sed -E 's/ +$//')
+  echo "${line:-no summary line}${running:+ (was in $running)}"
+}
+
+# Headline rows of the benchmark records (benchmarks/common.py's Row.record): ours'
+# median, percent of the copy bandwidth, and how many times faster than each other
+# implementation of the same case; the issue's H200 target beside it.
+bench_headlines() {
+  timeout 30 "$PY" - "$OUT" <<'PYTHON'
+import json, re, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+HEADLINES = [  # (bench, case pattern, target) in bench.jsonl
+    ("conv", r"^fwd 16384x4096 bf16$", ">= 85% copy"),
+    ("conv", r"^fwd\+bwd 16384x4096 bf16$", ">= 10x reference, >= 2x compiled"),
+    ("conv", r" graph$", "<= 10 us"),
+    ("selector", r"^fwd\+bwd no dU ", ""),
+    ("selector", r"^fwd\+bwd ", ">= 5x reference"),
+]
+
+
+def cases(path):
+    grouped = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return grouped
+    for text in lines:
+        try:
+            row = json.loads(text)
+            grouped.setdefault((row["bench"], row["case"]), []).append(row)
+        except (ValueError, KeyError):
+            pass
+    return grouped
+
+
+def show(rows, target=""):
+    ours = next((r for r in rows if r["impl"] == "ours"), rows[0])
+    ms = ours["timing"]["median_ms"]
+    took = f"{ms * 1e3:7.1f} us" if ms < 0.1 else f"{ms:7.3f} ms"
+    line = f"  {ours['bench']:8} {ours['case']:44} {ours['impl']} {took} {ours['pct_copy_bw']:5.1f}% copy"
+    for r in rows:
+        if r is not ours:
+            line += f" | {r['timing']['median_ms'] / ms:5.2f}x {r['impl']}"
+    print(line + (f"   [target {target}]" if target else ""))
+
+
+def target_of(bench, case):
+    return next((t for b, p, t in HEADLINES if b == bench and re.search(p, case)), None)
+
+
+main = cases(out / "bench.jsonl")
+for name in dict.fromkeys(b for b, _, _ in HEADLINES):
+    own = {case: rows for (bench, case), rows in main.items() if bench == name}
+    picked = {case: target_of(name, case) for case in own if target_of(name, case) is not None}
+    # Case names not as expected (renamed, or a CPU run): all of that bench's rows, not none.
+    for case in picked or own:
+        show(own[case], picked.get(case, ""))
+compiled = [rows for rows in cases(out / "bench_compile.jsonl").values()
+            if any(r["impl"] == "compiled reference" for r in rows)]
+if compiled:
+    print("  with torch.compile of the reference (--quick shapes):")
+for rows in compiled:
+    show(rows)
+if not main:
+    print("  no records in bench.jsonl")
+PYTHON
+}
+
+summary() {
+  local i name log
+  echo "== gpu_check summary: commit ${DFLASH2_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}, $SECONDS s (budget $BUDGET_S s), logs in $OUT =="
+  for i in "${!STEP_NAMES[@]}"; do
+    name=${STEP_NAMES[$i]}
+    log="$OUT/$name.log"
+    printf '%-16s %-9s rc %-4s %4d s / %3d s' "$name" "${STEP_STATUS[$i]}" "${STEP_RC[$i]}" "${STEP_SECS[$i]}" "${STEP_CAPS[$i]}"
+    if [[ $name == tests_* && ${STEP_STATUS[$i]} != skipped ]]; then
+      printf '  | %s\n' "$(pytest_line "$log" "${STEP_STATUS[$i]}")"
+      failures "$log" | sed 's/^/    /'
+    else
+      echo
+    fi
+  done
+  echo "benchmarks (ours; Nx = times faster than that implementation):"
+  bench_headlines || echo "  (could not read the benchmark records)"
+  if [[ -f $OUT/bench_serving.log ]] && grep -q '^# targets' "$OUT/bench_serving.log"; then
+    sed -n '/^# targets/,$p' "$OUT/bench_serving.log" | sed 's/^# /serving /'
+  fi
+  if (( ${#required_failed[@]} )); then
+    echo "result: FAILED (${required_failed[*]})"
+  else
+    echo "result: all required steps passed"
+  fi
+}
+
+echo
+summary 2>&1 | tee "$OUT/summary.txt"
+(( ${#required_failed[@]} == 0 ))

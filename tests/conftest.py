@@ -1,4 +1,5 @@
-"""Test set-up: where Triton runs, the GPU marker, NaN-poisoned allocations.
+"""Test set-up: where Triton runs, the GPU marker, NaN-poisoned allocations (torch.empty
+in Python, every allocation of the C++ ops).
 
 Without CUDA, Triton kernels run under the interpreter on CPU tensors; that must be
 decided before ``triton.jit`` wraps the kernels, so it happens here, before any test
@@ -12,6 +13,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The C++ ops fill every tensor they allocate with NaN (integers: their lowest value)
+# before their kernels run: an element a kernel leaves unwritten fails the checks.
+os.environ.setdefault("DFLASH2_POISON_OUTPUTS", "1")
 
 
 def pytest_configure(config):

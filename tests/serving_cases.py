@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dflash2_kernels import reference
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -148,3 +150,50 @@ def verify_inputs(case: VerifyCase, device: str, *, seed: int = 0):
     uniforms = torch.rand(b, d + 1, generator=g)
     tensors = (tokens, target.to(case.target_dtype), proposal.float(), candidates, uniforms)
     return tuple(t.to(device) for t in tensors)
+
+
+def topk_logits(rows: int, vocab: int, dtype: torch.dtype, kind: str, seed: int = 0) -> torch.Tensor:
+    """random: N(0, 1); ties: a handful of distinct values, so every top-k is full of ties;
+    special: -inf every 7th column, a NaN in the first row, +inf in the last."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        return torch.randint(-2, 3, (rows, vocab), generator=g).to(dtype)
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    if kind == "special":
+        logits[:, ::7] = float("-inf")
+        logits[0, vocab // 2] = float("nan")
+        logits[-1, 0] = float("inf")
+    return logits
+
+
+def select_path(ops, projected, logits, anchors, a, b, top_k, temperature, uniforms):
+    """ops.select_path (torch.ops.dflash2 or dflash2_emulated) with the caller's uniforms,
+    the score dtype and P's dtype chosen as the public API does:
+    (path, candidate_ids, draft_probs, edges)."""
+    score_dtype = reference.serving_score_dtype(logits, projected, a)
+    if projected.dtype != a.dtype:
+        projected = projected.float()
+    return ops.select_path(logits, projected, a, b, anchors, uniforms, top_k, temperature, score_dtype)
+
+
+def assert_sampled_walk_follows_its_edges(path, candidates, draft_probs, edges, uniforms, temperature) -> None:
+    """Each step's q is softmax(edge row / T) of the row the path came from, and each
+    draw is q's inverse-CDF draw at its uniform (up to fp32 rounding of the sums)."""
+    path, candidates, draft_probs, edges, uniforms = (t.cpu() for t in (path, candidates, draft_probs, edges,
+                                                                        uniforms))
+    batch, draft = path.shape
+    for b in range(batch):
+        row = 0
+        for t in range(draft):
+            where = f"b={b} t={t}"
+            q = draft_probs[b, t]
+            torch.testing.assert_close(q, torch.softmax(edges[b, t, row].float() / temperature, -1), rtol=1e-5,
+                                       atol=1e-6)
+            chosen = (candidates[b, t] == path[b, t]).nonzero()
+            assert chosen.numel() == 1, f"{where}: the path left the candidates"
+            row = chosen.item()
+            running = q.double().cumsum(0)
+            target = uniforms[b, t].item() * running[-1].item()
+            assert q[row] > 0, f"{where}: drew an index without mass"
+            assert running[row].item() > target - 1e-5, f"{where}: drew below the uniform"
+            assert row == 0 or running[row - 1].item() <= target + 1e-5, f"{where}: skipped the uniform's index"

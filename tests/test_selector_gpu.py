@@ -100,3 +100,13 @@ def test_fullgraph_compile_on_cuda():
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     got.backward()
     assert module.successor_codebook.grad is not None
+
+
+def test_host_grad_scores_is_an_error_not_a_fault():
+    """A CPU dS with CUDA operands dispatches to the CUDA kernel: it must be refused
+    before a kernel reads a host pointer (which would poison the CUDA context)."""
+    _, projected, predecessor, successor, pred, cand, grad = make_inputs(SelectorCase((6,), 50, 16, 5), "cuda")
+    with pytest.raises(ValueError, match="grad_scores must be on cuda"):
+        torch.ops.dflash2.selector_scores_backward(grad.cpu(), projected, predecessor, successor, pred, cand, True,
+                                                   5, torch.float32)
+    torch.cuda.synchronize()  # the context is still healthy

@@ -21,7 +21,10 @@ from .serving_cases import (
     VERIFY_CASES,
     BlockCase,
     as_float64,
+    assert_sampled_walk_follows_its_edges,
     block_inputs,
+    select_path,
+    topk_logits,
     verify_inputs,
     walk_over_edges,
 )
@@ -32,29 +35,9 @@ def require_kernel(op: str, device: str) -> None:
         pytest.skip(f"dflash2::{op} has no {device} kernel in this build")
 
 
-def select_path(projected, logits, anchors, a, b, top_k, temperature, uniforms):
-    """The fused op with the caller's uniforms: (path, candidate_ids, draft_probs, edges)."""
-    score_dtype = reference.serving_score_dtype(logits, projected, a)
-    if projected.dtype != a.dtype:
-        projected = projected.float()
-    return torch.ops.dflash2.select_path(logits, projected, a, b, anchors, uniforms, top_k, temperature, score_dtype)
-
-
 # --- top-k ---------------------------------------------------------------------------
 
 TOPK_SHAPES = [(3, 1, 1), (5, 37, 7), (4, 1000, 16), (2, 2053, 32), (3, 70_001, 16), (1, 8, 8)]
-
-
-def _topk_logits(rows: int, vocab: int, dtype: torch.dtype, kind: str, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "ties":  # a handful of distinct values: every top-k is full of ties
-        return torch.randint(-2, 3, (rows, vocab), generator=g).to(dtype)
-    logits = torch.randn(rows, vocab, generator=g).to(dtype)
-    if kind == "special":
-        logits[:, ::7] = float("-inf")
-        logits[0, vocab // 2] = float("nan")
-        logits[-1, 0] = float("inf")
-    return logits
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,7 +47,7 @@ def _topk_logits(rows: int, vocab: int, dtype: torch.dtype, kind: str, seed: int
 def test_candidate_topk_values_equal_torch_topk(shape, dtype, kind, device):
     require_kernel("candidate_topk", device)
     rows, vocab, top_k = shape
-    logits = _topk_logits(rows, vocab, dtype, kind).to(device)
+    logits = topk_logits(rows, vocab, dtype, kind).to(device)
     values, ids = dk.candidate_topk(logits, top_k)
     expected = torch.topk(logits, top_k, dim=-1).values
     assert values.dtype == dtype and ids.dtype == torch.int64
@@ -125,15 +108,6 @@ def test_greedy_walk_equals_nemo_walk_in_float32(case, device):
     assert torch.equal(path, expected_path)
 
 
-def _assert_draw_consistent(q: torch.Tensor, uniform: float, index: int, name: str) -> None:
-    """index is the inverse-CDF draw of q at uniform, up to fp32 rounding of the sums."""
-    running = q.double().cumsum(0)
-    target = uniform * running[-1].item()
-    assert q[index] > 0, f"{name}: drew an index without mass"
-    assert running[index].item() > target - 1e-5, f"{name}: drew below the uniform"
-    assert index == 0 or running[index - 1].item() <= target + 1e-5, f"{name}: skipped the uniform's index"
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 @pytest.mark.parametrize("case", BLOCK_CASES[1:5], ids=lambda c: c.id)
@@ -141,17 +115,8 @@ def test_sampled_walk_proposal_is_softmax_along_its_path(case, temperature, devi
     require_kernel("select_path", device)
     inputs = block_inputs(case, device, seed=3, scale=2.0)
     uniforms = torch.rand(case.batch, case.draft, generator=torch.Generator().manual_seed(4)).to(device)
-    path, candidates, draft_probs, edges = select_path(*inputs, case.top_k, temperature, uniforms)
-    path, candidates, draft_probs, edges, uniforms = (t.cpu() for t in (path, candidates, draft_probs, edges, uniforms))
-    for b in range(case.batch):
-        row = 0
-        for t in range(case.draft):
-            expected = torch.softmax(edges[b, t, row].float() / temperature, -1)
-            torch.testing.assert_close(draft_probs[b, t], expected, rtol=1e-5, atol=1e-6)
-            chosen = (candidates[b, t] == path[b, t]).nonzero()
-            assert chosen.numel() == 1, "the path left the candidates"
-            row = chosen.item()
-            _assert_draw_consistent(draft_probs[b, t], uniforms[b, t].item(), row, f"b={b} t={t}")
+    outputs = select_path(torch.ops.dflash2, *inputs, case.top_k, temperature, uniforms)
+    assert_sampled_walk_follows_its_edges(*outputs, uniforms, temperature)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -173,7 +138,8 @@ def test_greedy_op_returns_one_hot_proposal(device):
     require_kernel("select_path", device)
     case = BLOCK_CASES[2]
     inputs = block_inputs(case, device)
-    path, candidates, draft_probs, _ = select_path(*inputs, case.top_k, 0.0, torch.empty(0, device=device))
+    path, candidates, draft_probs, _ = select_path(torch.ops.dflash2, *inputs, case.top_k, 0.0,
+                                                  torch.empty(0, device=device))
     chosen = (candidates == path.unsqueeze(-1)).float()
     assert torch.equal(draft_probs, chosen)
 

@@ -133,3 +133,12 @@ def test_runs_on_the_current_stream():
             path = dk.walk(*inputs, case.top_k, 0.0)[0]
     torch.cuda.current_stream().wait_stream(stream)
     assert torch.equal(path, expected)
+
+
+def test_host_uniforms_are_an_error_not_a_fault():
+    case = BlockCase(2, 3, 300, 32, 8)
+    projected, logits, anchors, a, b = block_inputs(case, "cuda")
+    with pytest.raises(ValueError, match="uniforms must be on cuda"):
+        torch.ops.dflash2.select_path(logits, projected, a, b, anchors, torch.rand(2, 3), case.top_k, 1.0,
+                                      torch.float32)
+    torch.cuda.synchronize()

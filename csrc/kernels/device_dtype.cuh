@@ -3,10 +3,9 @@
 // gather), where a switch costs nothing next to the memory latency.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
+
+#include "kernels/device_runtime.cuh"
 
 #include "kernels/selector_math.h"
 

@@ -8,11 +8,9 @@
 // Backward: one row pass forms g[n] = sum_j dS[n, j] B[cand[n, j]] and writes dP and
 // dA's per-row terms; dA and dB are then sums over rows grouped by id, done as
 // deterministic segmented sums over the ids sorted by the caller (no atomics).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <type_traits>
 
+#include "kernels/launch.cuh"
 #include "kernels/selector.cuh"
 
 namespace dflash2 {
@@ -370,9 +368,8 @@ cudaError_t launch_selector_forward(const SelectorForwardParams& params, cudaStr
   return dispatch_types(params.operands, [&](auto codebook_tag, auto projected_tag, auto vec) {
     using W = decltype(codebook_tag);
     using P = decltype(projected_tag);
-    selector_scores_forward_kernel<W, P, decltype(vec)::value>
-        <<<blocks_for_warps(params.operands.rows), kWarp * kWarpsPerBlock, 0, stream>>>(params);
-    return cudaGetLastError();
+    return launch_kernel<selector_scores_forward_kernel<W, P, decltype(vec)::value>>(
+        blocks_for_warps(params.operands.rows), kWarp * kWarpsPerBlock, 0, stream, params);
   });
 }
 
@@ -385,7 +382,9 @@ cudaError_t launch_selector_backward(const SelectorBackwardParams& params, cudaS
     using Acc = accumulator_t<W>;
     constexpr int kVec = decltype(vec)::value;
     const unsigned threads = kWarp * kWarpsPerBlock;
-    selector_backward_rows_kernel<W, P, kVec><<<blocks_for_warps(op.rows), threads, 0, stream>>>(params);
+    cudaError_t status =
+        launch_kernel<selector_backward_rows_kernel<W, P, kVec>>(blocks_for_warps(op.rows), threads, 0, stream, params);
+    if (status != cudaSuccess) return status;
 
     Acc* partials = static_cast<Acc*>(params.chunk_partials);
     const int64_t predecessor_chunks = segment_chunks(op.rows);
@@ -393,20 +392,25 @@ cudaError_t launch_selector_backward(const SelectorBackwardParams& params, cudaS
     W* grad_a = static_cast<W*>(params.grad_predecessor_codebook);
     W* grad_b = static_cast<W*>(params.grad_successor_codebook);
 
-    selector_segment_chunks_kernel<W, P, kVec, false><<<blocks_for_warps(predecessor_chunks), threads, 0, stream>>>(
-        params, params.predecessor_sorted_ids, params.predecessor_order, op.rows, partials, grad_a);
-    selector_segment_carry_kernel<W><<<blocks_for_warps(predecessor_chunks), threads, 0, stream>>>(
-        params.predecessor_sorted_ids, op.rows, op.rank, op.vocab, partials, grad_a);
+    status = launch_kernel<selector_segment_chunks_kernel<W, P, kVec, false>>(
+        blocks_for_warps(predecessor_chunks), threads, 0, stream, params, params.predecessor_sorted_ids,
+        params.predecessor_order, op.rows, partials, grad_a);
+    if (status != cudaSuccess) return status;
+    status = launch_kernel<selector_segment_carry_kernel<W>>(blocks_for_warps(predecessor_chunks), threads, 0, stream,
+                                                             params.predecessor_sorted_ids, op.rows, op.rank, op.vocab,
+                                                             partials, grad_a);
+    if (status != cudaSuccess) return status;
 
     const int64_t candidate_entries = op.rows * op.top_k;
-    if (candidate_entries > 0) {
-      const int64_t candidate_chunks = segment_chunks(candidate_entries);
-      selector_segment_chunks_kernel<W, P, kVec, true><<<blocks_for_warps(candidate_chunks), threads, 0, stream>>>(
-          params, params.candidate_sorted_ids, params.candidate_order, candidate_entries, successor_partials, grad_b);
-      selector_segment_carry_kernel<W><<<blocks_for_warps(candidate_chunks), threads, 0, stream>>>(
-          params.candidate_sorted_ids, candidate_entries, op.rank, op.vocab, successor_partials, grad_b);
-    }
-    return cudaGetLastError();
+    if (candidate_entries == 0) return cudaSuccess;
+    const int64_t candidate_chunks = segment_chunks(candidate_entries);
+    status = launch_kernel<selector_segment_chunks_kernel<W, P, kVec, true>>(
+        blocks_for_warps(candidate_chunks), threads, 0, stream, params, params.candidate_sorted_ids,
+        params.candidate_order, candidate_entries, successor_partials, grad_b);
+    if (status != cudaSuccess) return status;
+    return launch_kernel<selector_segment_carry_kernel<W>>(blocks_for_warps(candidate_chunks), threads, 0, stream,
+                                                           params.candidate_sorted_ids, candidate_entries, op.rank,
+                                                           op.vocab, successor_partials, grad_b);
   });
 }
 

@@ -88,7 +88,7 @@ struct RejectionParams {
 // Elements per slice of the rejection sampler's vocabulary split; the bonus draw scans
 // one slice in shared memory.
 constexpr int64_t kVerifySliceLength = 4096;
-constexpr int64_t kMaxVerifySlices = 1024;  // so V <= 4,194,304
+constexpr int64_t kMaxVerifySlices = kMaxVerifyVocab / kVerifySliceLength;
 
 // How the launcher splits rows for the top-k; the bindings size the partial buffers.
 struct TopkSplit {

@@ -10,12 +10,10 @@
 //      per-sequence counter; the block that completes a sequence walks it. No host
 //      synchronisation anywhere: the whole selection captures in a CUDA graph.
 // candidate_topk runs launch 1 and then topk_merge_kernel.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 
 #include "kernels/device_dtype.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/serving.cuh"
 #include "kernels/warp_topk.cuh"
 
@@ -247,12 +245,21 @@ __global__ void __launch_bounds__(kMergeThreads) select_path_kernel(const TopkPa
   }
   __syncthreads();
 
-  // E[i, j] = U[j] + sum_rho A[prev_i, rho] P[rho] B[cand_j, rho], in rank tiles.
+  // E[i, j] = U[j] + sum_rho A[prev_i, rho] P[rho] B[cand_j, rho], in rank tiles. Each
+  // dot is kDotLanes interleaved partial sums (rho mod kDotLanes) combined pairwise at
+  // the end: a single chain over r = 256 loses several times the reference's accuracy.
+  // Unfused multiplies and adds in the CPU twin's order (cpu_row_kernel.h's lane_dot)
+  // make the edges, and so the greedy walk, bitwise equal on both devices.
   constexpr int kPairsPerThread = kMaxServingTopK * kMaxServingTopK / kMergeThreads;
+  constexpr int kDotLanes = 16;
+  static_assert(kRankTile % kDotLanes == 0, "a rank tile must hold whole groups of partial sums");
   const int pairs = top_k * top_k;
-  float acc[kPairsPerThread];
+  float acc[kPairsPerThread][kDotLanes];
 #pragma unroll
-  for (int m = 0; m < kPairsPerThread; ++m) acc[m] = 0.0f;
+  for (int m = 0; m < kPairsPerThread; ++m) {
+#pragma unroll
+    for (int l = 0; l < kDotLanes; ++l) acc[m][l] = 0.0f;
+  }
   for (int64_t tile = 0; tile < p.rank; tile += kRankTile) {
     const int width = static_cast<int>(smaller(kRankTile, p.rank - tile));
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
@@ -262,9 +269,9 @@ __global__ void __launch_bounds__(kMergeThreads) select_path_kernel(const TopkPa
     for (int e = threadIdx.x; e < top_k * width; e += blockDim.x) {
       const int i = e / width;
       const int c = e % width;
-      context_tile[i][c] =
-          load_float(p.predecessor_codebook, predecessors[i] * p.predecessor_row_stride + tile + c, p.codebook_dtype) *
-          projected_tile[c];
+      context_tile[i][c] = __fmul_rn(
+          load_float(p.predecessor_codebook, predecessors[i] * p.predecessor_row_stride + tile + c, p.codebook_dtype),
+          projected_tile[c]);
       successor_tile[i][c] =
           load_float(p.successor_codebook, candidates[i] * p.successor_row_stride + tile + c, p.codebook_dtype);
     }
@@ -275,9 +282,14 @@ __global__ void __launch_bounds__(kMergeThreads) select_path_kernel(const TopkPa
       if (pair < pairs) {
         const int i = pair / top_k;
         const int j = pair % top_k;
-        float sum = acc[m];
-        for (int c = 0; c < width; ++c) sum = fmaf(context_tile[i][c], successor_tile[j][c], sum);
-        acc[m] = sum;
+        for (int c0 = 0; c0 < width; c0 += kDotLanes) {
+#pragma unroll
+          for (int l = 0; l < kDotLanes; ++l) {
+            if (c0 + l < width) {
+              acc[m][l] = __fadd_rn(acc[m][l], __fmul_rn(context_tile[i][c0 + l], successor_tile[j][c0 + l]));
+            }
+          }
+        }
       }
     }
     __syncthreads();
@@ -287,7 +299,12 @@ __global__ void __launch_bounds__(kMergeThreads) select_path_kernel(const TopkPa
   for (int m = 0; m < kPairsPerThread; ++m) {
     const int pair = threadIdx.x + m * kMergeThreads;
     if (pair < pairs) {
-      const float score = (t == 0 && !anchor_valid) ? not_a_number : unary[pair % top_k] + acc[m];
+#pragma unroll
+      for (int half = kDotLanes / 2; half > 0; half /= 2) {
+#pragma unroll
+        for (int l = 0; l < half; ++l) acc[m][l] = __fadd_rn(acc[m][l], acc[m][l + half]);
+      }
+      const float score = (t == 0 && !anchor_valid) ? not_a_number : __fadd_rn(unary[pair % top_k], acc[m][0]);
       store_rounded(p.edges, row * pairs + pair, p.score_dtype, score);
     }
   }
@@ -322,11 +339,9 @@ cudaError_t launch_partials(const TopkParams& params, cudaStream_t stream) {
   const int64_t blocks = (warps + kPartialWarpsPerBlock - 1) / kPartialWarpsPerBlock;
   constexpr int kVec = 16 / sizeof(T);
   if (params.vectorized) {
-    topk_partial_kernel<T, kVec><<<blocks, kPartialWarpsPerBlock * kWarp, 0, stream>>>(params);
-  } else {
-    topk_partial_kernel<T, 1><<<blocks, kPartialWarpsPerBlock * kWarp, 0, stream>>>(params);
+    return launch_kernel<topk_partial_kernel<T, kVec>>(blocks, kPartialWarpsPerBlock * kWarp, 0, stream, params);
   }
-  return cudaGetLastError();
+  return launch_kernel<topk_partial_kernel<T, 1>>(blocks, kPartialWarpsPerBlock * kWarp, 0, stream, params);
 }
 
 cudaError_t launch_topk_partials(const TopkParams& params, cudaStream_t stream) {
@@ -356,16 +371,14 @@ cudaError_t launch_candidate_topk(const TopkParams& params, const TopkOutputs& o
   if (params.rows == 0) return cudaSuccess;
   const cudaError_t status = launch_topk_partials(params, stream);
   if (status != cudaSuccess) return status;
-  topk_merge_kernel<<<params.rows, kMergeThreads, 0, stream>>>(params, outputs);
-  return cudaGetLastError();
+  return launch_kernel<topk_merge_kernel>(params.rows, kMergeThreads, 0, stream, params, outputs);
 }
 
 cudaError_t launch_select_path(const TopkParams& topk, const SelectPathParams& params, cudaStream_t stream) {
   if (params.batch == 0 || params.draft == 0) return cudaSuccess;
   const cudaError_t status = launch_topk_partials(topk, stream);
   if (status != cudaSuccess) return status;
-  select_path_kernel<<<params.batch * params.draft, kMergeThreads, 0, stream>>>(topk, params);
-  return cudaGetLastError();
+  return launch_kernel<select_path_kernel>(params.batch * params.draft, kMergeThreads, 0, stream, topk, params);
 }
 
 }  // namespace dflash2

@@ -12,6 +12,10 @@ namespace dflash2 {
 // Candidates per position the fused path supports: one warp lane per candidate.
 constexpr int kMaxServingTopK = 32;
 
+// The largest vocabulary rejection_sample takes, on every device (the CUDA bonus pass
+// keeps one mass per 4,096-token slice in shared memory).
+constexpr int64_t kMaxVerifyVocab = int64_t{1} << 22;
+
 // A float as an unsigned key whose integer order is torch.topk's order: every NaN
 // above +inf, then the reals ascending. Key 0 is below every real and NaN key, so it
 // marks an empty top-k slot.

@@ -11,10 +11,8 @@
 // Both kernels weigh every element with the same function, and the residual is
 // formed element by element (never as p-mass minus q-mass), so a residual that is
 // exactly empty sums to exactly zero and the fallback to p is taken.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "kernels/device_dtype.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/serving.cuh"
 
 namespace dflash2 {
@@ -79,11 +77,17 @@ __device__ int64_t accepted_prefix(const RejectionParams& p, int64_t b, unsigned
   return static_cast<int64_t>(*first_failure);
 }
 
-// The candidates of row a that fall in [begin, end), with their proposal mass.
+// The candidates of row a that fall in [begin, end), with their proposal mass. A slice
+// holding more than kMaxSliceCandidates of them (only possible for k > 64) is marked
+// `overflow`, and its weights read the whole candidate row from global memory instead:
+// the same sums in the same order, just slower.
 struct SliceCandidates {
   int64_t ids[kMaxSliceCandidates];
   float mass[kMaxSliceCandidates];
   int count;
+  bool overflow;
+  const int64_t* row_ids;   // candidate_ids of row a (null when a = D: no proposal)
+  const float* row_mass;    // draft_probs of row a
 };
 
 // Thread 0 fills the list (ascending j, so repeated ids add in one fixed order).
@@ -91,13 +95,22 @@ __device__ void collect_slice_candidates(const RejectionParams& p, int64_t b, in
                                          SliceCandidates& list) {
   if (threadIdx.x == 0) {
     int count = 0;
+    list.overflow = false;
+    list.row_ids = nullptr;
+    list.row_mass = nullptr;
     if (a < p.draft) {
       const int64_t position = b * p.draft + a;
-      for (int64_t j = 0; j < p.top_k && count < kMaxSliceCandidates; ++j) {
-        const int64_t id = p.candidate_ids[position * p.top_k + j];
+      list.row_ids = p.candidate_ids + position * p.top_k;
+      list.row_mass = p.draft_probs + position * p.top_k;
+      for (int64_t j = 0; j < p.top_k; ++j) {
+        const int64_t id = list.row_ids[j];
         if (id >= begin && id < end) {
+          if (count == kMaxSliceCandidates) {
+            list.overflow = true;
+            break;
+          }
           list.ids[count] = id;
-          list.mass[count] = p.draft_probs[position * p.top_k + j];
+          list.mass[count] = list.row_mass[j];
           ++count;
         }
       }
@@ -107,11 +120,18 @@ __device__ void collect_slice_candidates(const RejectionParams& p, int64_t b, in
   __syncthreads();
 }
 
-// max(p_v - q_v, 0), q_v summed over the candidates equal to v.
-__device__ __forceinline__ float residual_weight(float target, int64_t v, const SliceCandidates& list) {
+// max(p_v - q_v, 0), q_v summed over the candidates equal to v in ascending j.
+__device__ __forceinline__ float residual_weight(float target, int64_t v, const SliceCandidates& list,
+                                                 int64_t top_k) {
   float proposal = 0.0f;
-  for (int c = 0; c < list.count; ++c) {
-    if (list.ids[c] == v) proposal += list.mass[c];
+  if (list.overflow) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      if (list.row_ids[j] == v) proposal += list.row_mass[j];
+    }
+  } else {
+    for (int c = 0; c < list.count; ++c) {
+      if (list.ids[c] == v) proposal += list.mass[c];
+    }
   }
   return fmaxf(target - proposal, 0.0f);
 }
@@ -133,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) verify_mass_kernel(const RejectionPa
   for (int64_t v = begin + threadIdx.x; v < end; v += kThreads) {
     const float target = fmaxf(load_float(p.target_probs, row + v, p.target_dtype), 0.0f);
     target_sum += target;
-    residual_sum += residual_weight(target, v, list);
+    residual_sum += residual_weight(target, v, list, p.top_k);
   }
   target_sum = block_sum(target_sum, scratch);
   residual_sum = block_sum(residual_sum, scratch);
@@ -205,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) verify_bonus_kernel(const RejectionP
     float weight = 0.0f;
     if (v < end) {
       weight = fmaxf(load_float(p.target_probs, row + v, p.target_dtype), 0.0f);
-      if (use_residual) weight = residual_weight(weight, v, list);
+      if (use_residual) weight = residual_weight(weight, v, list, p.top_k);
     }
     element_weights[padded(static_cast<int>(v - begin))] = weight;
   }
@@ -248,11 +268,10 @@ __global__ void __launch_bounds__(kThreads) verify_bonus_kernel(const RejectionP
 
 cudaError_t launch_rejection_sample(const RejectionParams& params, cudaStream_t stream) {
   if (params.batch == 0) return cudaSuccess;
-  verify_mass_kernel<<<params.batch * params.slices, kThreads, 0, stream>>>(params);
-  cudaError_t status = cudaGetLastError();
+  const cudaError_t status =
+      launch_kernel<verify_mass_kernel>(params.batch * params.slices, kThreads, 0, stream, params);
   if (status != cudaSuccess) return status;
-  verify_bonus_kernel<<<params.batch, kThreads, 0, stream>>>(params);
-  return cudaGetLastError();
+  return launch_kernel<verify_bonus_kernel>(params.batch, kThreads, 0, stream, params);
 }
 
 }  // namespace dflash2
