@@ -114,6 +114,23 @@ inline void check_grad_scores(const at::Tensor& grad_scores, const SelectorShape
                     ", got ", grad_scores.device());
 }
 
+// What the ops are asked to write: only float types can be stored, and dU's width must
+// be what the ids index (V for full logits, k when gathered).
+inline void check_scores_dtype(at::ScalarType out_dtype) {
+  TORCH_CHECK_TYPE(is_supported_float(out_dtype), "out_dtype must be float16, bfloat16, float32 or float64, got ",
+                   out_dtype);
+}
+
+inline void check_unary_gradient_request(bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype,
+                                         const SelectorShape& shape) {
+  TORCH_CHECK_TYPE(is_supported_float(unary_dtype),
+                   "unary_dtype must be float16, bfloat16, float32 or float64, got ", unary_dtype);
+  const int64_t width = unary_gathered ? shape.top_k : shape.vocab;
+  TORCH_CHECK_VALUE(unary_width == width, "unary_width must be ", width,
+                    unary_gathered ? " (k: the unary scores came gathered)" : " (V: the codebooks' rows)", ", got ",
+                    unary_width);
+}
+
 // The temperature the serving kernels use is a float32: greedy versus sampled is decided
 // from that value, so a positive double that rounds to 0 is greedy on every backend.
 inline float kernel_temperature(double temperature) {

@@ -45,6 +45,7 @@ at::Tensor selector_scores_cuda(const at::Tensor& unary, const at::Tensor& proje
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
   check_unary(unary, unary_gathered, shape, projected);
+  check_scores_dtype(out_dtype);
   const KernelDeviceGuard device_guard(projected.device());
   const at::Tensor predecessors = predecessor_ids.contiguous();
   const at::Tensor candidates = candidate_ids.contiguous();
@@ -69,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
   check_grad_scores(grad_scores, shape, projected);
+  check_unary_gradient_request(unary_gathered, unary_width, unary_dtype, shape);
   const KernelDeviceGuard device_guard(projected.device());
   const at::Tensor grad = grad_scores.contiguous();
   const at::Tensor predecessors = predecessor_ids.contiguous();

@@ -129,6 +129,37 @@ def test_raw_op_checks_shapes():
                                           False, torch.float32)
 
 
+RAW_BACKWARD_MISUSE = [
+    # (grad_scores dtype, unary_gathered, unary_width, unary_dtype, error, message)
+    (torch.int8, False, 7, torch.float32, TypeError, "grad_scores must be float16"),
+    (torch.float32, False, 7, torch.int8, TypeError, "unary_dtype must be float16"),
+    (torch.float32, False, 1, torch.float32, ValueError, "unary_width must be 7"),
+    (torch.float32, False, 0, torch.float32, ValueError, "unary_width must be 7"),
+    (torch.float32, True, 7, torch.float32, ValueError, "unary_width must be 5"),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("out_dtype", [torch.bool, torch.int8, torch.int32, torch.int64, torch.complex64], ids=str)
+def test_raw_forward_refuses_outputs_it_cannot_store(out_dtype):
+    unary, projected, a, b, pred, cand = _good()
+    with pytest.raises(TypeError, match="out_dtype must be float16"):
+        torch.ops.dflash2.selector_scores(unary.view(6, 7), projected.view(6, 12), a, b, pred.view(6),
+                                          cand.view(6, 5), False, out_dtype)
+
+
+@needs_extension
+@pytest.mark.parametrize("grad_dtype, gathered, width, unary_dtype, error, message", RAW_BACKWARD_MISUSE,
+                         ids=[m[-1] + f"-{i}" for i, m in enumerate(RAW_BACKWARD_MISUSE)])
+def test_raw_backward_refuses_what_it_cannot_read_or_write(grad_dtype, gathered, width, unary_dtype, error,
+                                                           message):
+    _, projected, a, b, pred, cand = _good()
+    grad = torch.ones(6, 5).to(grad_dtype)
+    with pytest.raises(error, match=message):
+        torch.ops.dflash2.selector_scores_backward(grad, projected.view(6, 12), a, b, pred.view(6), cand.view(6, 5),
+                                                   gathered, width, unary_dtype)
+
+
 @needs_extension
 def test_opcheck_cpu():
     unary, projected, a, b, pred, cand = _good()

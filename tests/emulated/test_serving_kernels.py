@@ -137,8 +137,8 @@ def test_rejection_sample_equals_reference_draw_by_draw(emulated, case):
     assert torch.equal(accepted, expected_accepted)
     assert torch.equal(bonus, expected_bonus)
     if has_kernel("rejection_sample", "cpu"):
-        assert torch.equal(bonus, torch.ops.dflash2.rejection_sample(tokens, target, proposal, candidates,
-                                                                     uniforms)[1])
+        twin_accepted, twin_bonus = torch.ops.dflash2.rejection_sample(tokens, target, proposal, candidates, uniforms)
+        assert torch.equal(accepted, twin_accepted) and torch.equal(bonus, twin_bonus)
 
 
 def test_rejection_never_accepts_a_token_without_target_mass(emulated):
@@ -149,6 +149,16 @@ def test_rejection_never_accepts_a_token_without_target_mass(emulated):
     accepted, bonus = emulated.rejection_sample(tokens, target, proposal, candidates, uniforms)
     assert (accepted == 0).all()
     assert (bonus != tokens[:, 0]).all() and (bonus >= 0).all() and (bonus < case.vocab).all()
+
+
+def test_out_of_range_draft_token_is_never_accepted(emulated):
+    """On CUDA a bad id cannot raise without a host sync: it has no target mass."""
+    tokens, target, proposal, candidates, uniforms = verify_inputs(VERIFY_CASES[1], "cpu", seed=3)
+    tokens = tokens.clone()
+    tokens[:, 0] = torch.tensor([-1, VERIFY_CASES[1].vocab] * (tokens.shape[0] // 2))
+    accepted, bonus = run_schedules(
+        emulated, lambda: emulated.rejection_sample(tokens, target, proposal, candidates, uniforms))
+    assert (accepted == 0).all() and (bonus >= 0).all()
 
 
 def test_rejection_row_without_mass_gives_bonus_minus_one(emulated):
