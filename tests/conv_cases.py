@@ -64,6 +64,18 @@ CASES = [
     ConvCase((2, 0), 48, 16, 2, 8, BF16),  # empty leading dim
 ]
 
+# Training sizes (SPEC section 5): 64k rows, delta one side of the [..., 2, K, G]
+# projection. dbase sums over every row, so how its sum is accumulated shows at this size.
+TRAINING_CASES = [
+    ConvCase((4, 16384), 256, 16, 2, 8, F32, strided_delta=True),
+    ConvCase((65536,), 256, 16, 2, 8, BF16, strided_delta=True),
+]
+
+# The Triton interpreter takes ~20 ms a row step, too slow for TRAINING_CASES. Two
+# groups wide, a backward tile holds 64 rows, so 16k rows are 256 row steps: one
+# program taking them all runs 4x the longest chain a launch plans (64 steps).
+LONG_CHAIN_CASE = ConvCase((4, 4096), 32, 16, 2, 8, F32, strided_delta=True)
+
 
 def make_inputs(case: ConvCase, device: str, seed: int = 0):
     """(x [..., H], delta [..., K, G], base [K, H], dy [..., H]) on device, fresh random."""

@@ -84,7 +84,7 @@ def test_zero_rows():
 
 
 def test_backward_is_independent_of_the_thread_count():
-    """dbase sums fixed 256-row chunks in chunk order, whatever the threads: bitwise equal."""
+    """dbase sums fixed 64-row chunks in chunk order, whatever the threads: bitwise equal."""
     x, delta, base, grad_out = _raw_inputs(1000, 64, 16, 2, F32, True, False, seed=2)
     threads = torch.get_num_threads()
     try:

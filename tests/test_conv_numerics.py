@@ -8,11 +8,18 @@ import torch
 import dflash2_kernels as dk
 from dflash2_kernels import reference
 from dflash2_kernels._extension import EXTENSION_ERROR
-from dflash2_kernels.conv import ops
+from dflash2_kernels.conv import launch, ops, vectorized
 from dflash2_kernels.conv.launch import KERNELS_INTERPRETED
 
 from .contract import assert_within_contract
-from .conv_cases import CASES, conv_with_grads, exact_conv_with_grads, make_inputs
+from .conv_cases import (
+    CASES,
+    LONG_CHAIN_CASE,
+    TRAINING_CASES,
+    conv_with_grads,
+    exact_conv_with_grads,
+    make_inputs,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -39,6 +46,8 @@ PATHS = [
         ),
     ),
 ]
+CPU_PATHS = PATHS[:2]
+TRITON_PATH = PATHS[2]
 OUTPUTS = ("out", "dx", "ddelta", "dbase")
 
 
@@ -70,6 +79,70 @@ def test_conv_forward_backward_within_contract(case, path, device, backend, monk
     assert got[0].shape == x.shape
     assert got[0].dtype == torch.promote_types(x.dtype, delta.dtype)
     assert (got[1].dtype, got[2].dtype, got[3].dtype) == (x.dtype, delta.dtype, base.dtype)
+
+
+@pytest.fixture(scope="module")
+def judged_once():
+    """judged(case, device) -> (inputs, reference's results, float64 judge's results).
+
+    At training sizes the judge and the reference take seconds, so the last case's are
+    kept for the next path (the case table is the outer loop).
+    """
+    cache = {}
+
+    def judged(case, device):
+        if (case, device) not in cache:
+            cache.clear()
+            inputs = make_inputs(case, device)
+            expected = conv_with_grads(reference.grouped_dynamic_conv, *inputs, case)
+            cache[(case, device)] = inputs, expected, exact_conv_with_grads(*inputs, case)
+        return cache[(case, device)]
+
+    yield judged
+    cache.clear()
+
+
+@pytest.mark.parametrize("path,device,backend", CPU_PATHS)
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=lambda c: c.id)
+def test_conv_at_training_sizes_within_contract(
+    case, path, device, backend, judged_once, monkeypatch, poison_empty
+):
+    (x, delta, base, dy), expected, exact = judged_once(case, device)
+    _select_path(path, backend, monkeypatch)
+    if path == "vectorized":
+        # It sums dbase per 4 MB chunk of rows: 4096 rows at H = 256, but a few hundred
+        # at the drafters' H, where 64k rows make hundreds of chunks. Chunk as at H = 4096.
+        monkeypatch.setattr(vectorized, "_CPU_CHUNK_BYTES", vectorized._CPU_CHUNK_BYTES * case.hidden // 4096)
+    got = conv_with_grads(dk.grouped_dynamic_conv, x, delta, base, dy, case)
+    for name, kernel, ref, ex in zip(OUTPUTS, got, expected, exact):
+        assert_within_contract(f"{case.id} {name}", kernel, ref, ex)
+
+
+def _plan_row_chains(chains: str, monkeypatch) -> None:
+    """Make the Triton backward's launcher plan its longest or its most row chains."""
+    if chains == "longest":
+        # One program per channel tile: dbase's running sum crosses every row step.
+        monkeypatch.setattr(launch, "_target_programs", lambda device: 1)
+        monkeypatch.setattr(launch, "_MAX_ROW_STEPS", 2**31 - 1)
+    else:
+        # One row step per program: the launcher's sum adds the most partials.
+        monkeypatch.setattr(launch, "_MAX_ROW_STEPS", 1)
+
+
+@pytest.mark.parametrize("path,device,backend", [TRITON_PATH])
+@pytest.mark.parametrize("chains", ["longest", "most"])
+def test_triton_backward_row_chains_within_contract(chains, path, device, backend, monkeypatch, poison_empty):
+    case = LONG_CHAIN_CASE
+    x, delta, base, dy = make_inputs(case, device)
+    expected = conv_with_grads(reference.grouped_dynamic_conv, x, delta, base, dy, case)[1:]
+    exact = exact_conv_with_grads(x, delta, base, dy, case)[1:]
+    _select_path(path, backend, monkeypatch)
+    _plan_row_chains(chains, monkeypatch)
+    # The backward op alone: the forward sums nothing over rows, and under the
+    # interpreter it would double the test's time.
+    got = ops.grouped_dynamic_conv_backward_op(dy, x, delta, base, case.block_size, case.group_size)
+    for name, kernel, ref, ex in zip(OUTPUTS[1:], got, expected, exact):
+        assert_within_contract(f"{case.id} {chains} {name}", kernel, ref, ex, truncating_stores=device == "cpu")
 
 
 @pytest.mark.parametrize("path,device,backend", PATHS)

@@ -92,7 +92,7 @@ def grouped_dynamic_conv_bwd_kernel(
     base_ptr,  # [K, H] at (stride_base_tap, 1), already in x's dtype
     dx_ptr,  # [N, H] contiguous, x's dtype
     ddelta_ptr,  # [J_TILES, N, K, G] contiguous: delta's dtype, or fp32 when J_TILES > 1
-    dbase_partial_ptr,  # [n_row_chunks, K, H] fp32 contiguous
+    dbase_partial_ptr,  # [n_row_chunks, K, H] fp64 contiguous
     n_rows,
     hidden_size,
     num_groups,
@@ -115,7 +115,10 @@ def grouped_dynamic_conv_bwd_kernel(
     """One pass for all three gradients over a chunk of row_steps x BLOCK_N rows.
 
     dbase is reduced over the chunk in registers and written as this program's own
-    fp32 partial (no atomics), so the launcher's sum over chunks is deterministic.
+    partial (no atomics), so the launcher's sum over chunks is deterministic. Each row
+    step's term is a tree sum of its BLOCK_N rows in ACC_DTYPE; the steps add up in
+    fp64: an fp32 running sum loses accuracy with every step (one program taking 16k
+    rows misses SPEC section 4 by 2x), and one fp64 add per step costs next to nothing.
     """
     chunk, j_tile, groups, channels, col_ok = _conv_tile(
         tl.program_id(0), n_col_tiles, num_groups, GROUP_SIZE, BLOCK_G, BLOCK_J
@@ -127,7 +130,7 @@ def grouped_dynamic_conv_bwd_kernel(
     group_ok_2d = groups_2d < num_groups
     ddelta_split = ddelta_ptr + j_tile.to(tl.int64) * n_rows * KERNEL_SIZE * num_groups
 
-    dbase_acc = tl.zeros((KERNEL_SIZE_POW2, BLOCK_G, BLOCK_J), dtype=ACC_DTYPE)
+    dbase_acc = tl.zeros((KERNEL_SIZE_POW2, BLOCK_G, BLOCK_J), dtype=tl.float64)
     first_row = chunk.to(tl.int64) * row_steps * BLOCK_N
     for step in range(row_steps):
         rows = first_row + step * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
@@ -139,6 +142,7 @@ def grouped_dynamic_conv_bwd_kernel(
         ).to(ACC_DTYPE)
 
         dx = tl.zeros((BLOCK_N, BLOCK_G, BLOCK_J), dtype=ACC_DTYPE)
+        step_dbase = tl.zeros((KERNEL_SIZE_POW2, BLOCK_G, BLOCK_J), dtype=ACC_DTYPE)
         for tap in tl.static_range(KERNEL_SIZE):
             base = tl.load(base_ptr + tap * stride_base_tap + channels, mask=col_ok, other=0.0).to(ACC_DTYPE)
 
@@ -175,7 +179,8 @@ def grouped_dynamic_conv_bwd_kernel(
                 ddelta.to(ddelta_ptr.dtype.element_ty),
                 mask=(rows_2d < n_rows) & group_ok_2d,
             )
-            dbase_acc += tl.where(taps == tap, tl.sum(product, axis=0)[None, :, :], 0.0)
+            step_dbase = tl.where(taps == tap, tl.sum(product, axis=0)[None, :, :], step_dbase)
+        dbase_acc += step_dbase.to(tl.float64)
 
         tl.store(
             dx_ptr + rows * hidden_size + channels,

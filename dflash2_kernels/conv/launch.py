@@ -135,7 +135,7 @@ def plan_conv_backward(
     """The backward launch and the buffers it writes: (launch, dx, ddelta splits, dbase partials).
 
     ddelta is [J_TILES, N, K, G]: delta's dtype when a group fits one channel tile,
-    otherwise fp32 partials per tile. dbase partials are [chunks, K, H] in fp32.
+    otherwise fp32 partials per tile. dbase partials are [chunks, K, H] in fp64.
     """
     n_rows, hidden_size = x.shape
     kernel_size, num_groups = delta.shape[1], delta.shape[2]
@@ -151,7 +151,7 @@ def plan_conv_backward(
     dx = torch.empty((n_rows, hidden_size), dtype=x.dtype, device=x.device)
     ddelta_dtype = delta.dtype if tiles.j_tiles == 1 else acc_dtype
     ddelta = torch.empty((tiles.j_tiles, n_rows, kernel_size, num_groups), dtype=ddelta_dtype, device=x.device)
-    dbase_partial = torch.empty((n_chunks, kernel_size, hidden_size), dtype=acc_dtype, device=x.device)
+    dbase_partial = torch.empty((n_chunks, kernel_size, hidden_size), dtype=torch.float64, device=x.device)
     args = dict(
         dy_ptr=dy, x_ptr=x, delta_ptr=delta, base_ptr=base_x,
         dx_ptr=dx, ddelta_ptr=ddelta, dbase_partial_ptr=dbase_partial,
@@ -198,4 +198,5 @@ def conv_backward_triton(
     launch, dx, ddelta, dbase_partial = plan_conv_backward(dy, x, delta, base.to(x.dtype), block_size, acc_dtype)
     launch.run(x)
     ddelta = ddelta[0] if ddelta.shape[0] == 1 else ddelta.sum(0).to(delta.dtype)
+    # In fp64 the order of the chunks' sum does not matter to fp32's accuracy, however many.
     return dx, ddelta, dbase_partial.sum(0).to(base.dtype)

@@ -4,7 +4,8 @@ Same inputs as the Triton launchers (x ``[N, H]``, delta ``[N, K, G]``, base ``[
 Rows are viewed as whole draft blocks ``[blocks, L, G, gs]`` (plus one short tail
 block when L does not divide N), so a tap is a slice along the block axis: no
 shifted copies and no masks. Everything accumulates in fp32 (fp64 for fp64 inputs)
-and rounds once at the end.
+and rounds once at the end, except dbase's sum over chunks, which runs in fp64 (see
+conv_backward_vectorized).
 
 On the CPU the blocks are taken a cache-sized chunk at a time: each elementwise op
 then works on data still in cache, so DRAM sees each operand about once instead of
@@ -92,7 +93,12 @@ def conv_backward_vectorized(
     taps = base.to(x.dtype).to(acc).view(kernel_size, num_groups, group_size)
     dx = torch.empty((n_rows, hidden_size), dtype=x.dtype, device=x.device)
     ddelta = torch.empty((n_rows, kernel_size, num_groups), dtype=delta.dtype, device=x.device)
-    dbase = torch.zeros((kernel_size, num_groups, group_size), dtype=acc, device=x.device)
+    # Each chunk's dbase term is one fp32 sum (pairwise inside torch). A running fp32 sum
+    # over the CPU's chunks would lose accuracy as N grows (a wide H means a few hundred
+    # rows a chunk, so hundreds of chunks at training sizes); an fp64 one does not.
+    # Elsewhere one chunk covers every row, and fp64 may not exist there (MPS).
+    dbase_dtype = torch.float64 if x.device.type == "cpu" else acc
+    dbase = torch.zeros((kernel_size, num_groups, group_size), dtype=dbase_dtype, device=x.device)
     chunks = list(_chunks(x, block_size))
     chunk_rows = max(r.stop - r.start for r, _, _ in chunks)
     dx_stage = _staging(dx, acc, chunk_rows)
