@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # then recompiles only what the edit affects).
 EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env bench bench-selector test test-emulated cuda-check clean
+.PHONY: env bench bench-selector test test-asan cuda-check clean
 
 env: $(VENV)/.built
 
@@ -29,13 +29,14 @@ bench: env
 bench-selector: env
 	$(PY) benchmarks/bench_selector.py --out bench_results/selector.jsonl
 
-# The suite, then the CUDA kernels on the CPU's SIMT emulator under AddressSanitizer.
+# The suite against the installed build, then again against the sanitized build, which
+# adds the CUDA kernels run on the CPU's SIMT emulator (scripts/asan.py).
 test: env
 	$(PY) -m pytest
-	$(PY) scripts/emulated.py test
+	$(PY) scripts/asan.py test
 
-test-emulated: env
-	$(PY) scripts/emulated.py test
+test-asan: env
+	$(PY) scripts/asan.py test
 
 # The torch-free CUDA kernels alone, for sm_90: needs cmake and nvcc, not torch or a GPU.
 cuda-check:

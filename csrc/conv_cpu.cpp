@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_row_kernel.h"
+#include "output_alloc.h"
 
 namespace dflash2 {
 namespace {
@@ -349,7 +350,7 @@ at::Tensor grouped_dynamic_conv_forward_cpu(
   const ConvShape shape = check_conv_args(x, delta, base, block_size);
   TORCH_CHECK(
       is_supported_dtype(out_dtype), "out_dtype must be float16, bfloat16, float32 or float64, got ", out_dtype, ".");
-  at::Tensor out = at::empty({shape.rows, shape.hidden}, x.options().dtype(out_dtype));
+  at::Tensor out = empty_output({shape.rows, shape.hidden}, x.options().dtype(out_dtype));
   const at::ScalarType acc_type = any_double({&x, &delta, &base}) ? at::kDouble : at::kFloat;
   const at::Tensor base_x = rounded_base(base, x, acc_type);
   const int64_t grain_rows = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, shape.hidden));
@@ -372,15 +373,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_dynamic_conv_backward_cpu
   check_operand(grad_out, "grad_out", 2);
   TORCH_CHECK(
       grad_out.sizes() == x.sizes(), "grad_out must have x's shape ", x.sizes(), ", got ", grad_out.sizes(), ".");
-  at::Tensor dx = at::empty({shape.rows, shape.hidden}, x.options());
-  at::Tensor ddelta = at::empty({shape.rows, shape.taps, shape.groups}, delta.options());
-  at::Tensor dbase = at::empty({shape.taps, shape.hidden}, base.options());
+  at::Tensor dx = empty_output({shape.rows, shape.hidden}, x.options());
+  at::Tensor ddelta = empty_output({shape.rows, shape.taps, shape.groups}, delta.options());
+  at::Tensor dbase = empty_output({shape.taps, shape.hidden}, base.options());
   const at::ScalarType acc_type = any_double({&grad_out, &x, &delta, &base}) ? at::kDouble : at::kFloat;
   const at::Tensor base_x = rounded_base(base, x, acc_type);
   // One dbase partial sum [K, H] per fixed chunk of rows, each written by the one thread
   // that owns the chunk.
   const int64_t chunks = (shape.rows + kDbaseChunkRows - 1) / kDbaseChunkRows;
-  at::Tensor dbase_partials = at::empty({chunks, shape.taps, shape.hidden}, x.options().dtype(acc_type));
+  at::Tensor dbase_partials = empty_output({chunks, shape.taps, shape.hidden}, x.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES(acc_type, "grouped_dynamic_conv_backward_cpu", [&] {
     const ConvInputs<scalar_t> in{Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), shape, block_size};
     const Rows dy_rows(grad_out), dx_rows(dx), ddelta_rows(ddelta);

@@ -2,15 +2,33 @@
 
 Importing it registers the C++ ops (``torch.ops.dflash2.*``) and their CPU and, in a
 CUDA build, CUDA kernels. A pure-Python install (no build) leaves the ops missing;
-callers fall back to the PyTorch paths.
+callers fall back to the PyTorch paths. ``DFLASH2_EXTENSION_PATH`` names another build
+of ``_C`` to load instead (the tests' sanitized build: scripts/asan.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import torch
 
+
+def _load_extension_from(path: str) -> None:
+    spec = importlib.util.spec_from_file_location(f"{__package__}._C", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"DFLASH2_EXTENSION_PATH={path} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
 try:
-    from . import _C  # noqa: F401
+    if os.environ.get("DFLASH2_EXTENSION_PATH"):
+        _load_extension_from(os.environ["DFLASH2_EXTENSION_PATH"])
+    else:
+        from . import _C  # noqa: F401
 
     EXTENSION_LOADED = True
     EXTENSION_ERROR: str | None = None

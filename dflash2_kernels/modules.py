@@ -113,10 +113,19 @@ class CandidateSelector(nn.Module):
         for parameter in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(parameter, std=self.initializer_range)
 
+    def _project(self, hidden: torch.Tensor, name: str) -> torch.Tensor:
+        """P = W h: [..., H] -> [..., r], with a message that names the argument."""
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(hidden).__name__}.")
+        width = self.hidden_projection.in_features
+        if hidden.dim() == 0 or hidden.shape[-1] != width:
+            raise ValueError(f"{name} must be [..., hidden_size={width}], got {tuple(hidden.shape)}.")
+        return self.hidden_projection(hidden)
+
     def context(self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor) -> torch.Tensor:
         """A[pred] * W h in the codebook dtype: [..., r] (speculators)."""
         return reference.selector_context(
-            self.predecessor_codebook, self.hidden_projection(hidden_states), predecessor_ids
+            self.predecessor_codebook, self._project(hidden_states, "hidden_states"), predecessor_ids
         )
 
     def transition_scores(
@@ -124,7 +133,7 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """T(pred, cand_j) for each candidate: [..., k] in the codebook dtype."""
         return transition_scores(
-            self.hidden_projection(hidden_states),
+            self._project(hidden_states, "hidden_states"),
             self.predecessor_codebook,
             self.successor_codebook,
             predecessor_ids,
@@ -141,7 +150,7 @@ class CandidateSelector(nn.Module):
         """U[..., cand_j] + T(pred, cand_j): [..., k] in unary_logits' dtype (speculators)."""
         return score_candidates(
             unary_logits,
-            self.hidden_projection(hidden_states),
+            self._project(hidden_states, "hidden_states"),
             self.predecessor_codebook,
             self.successor_codebook,
             predecessor_ids,
@@ -155,8 +164,19 @@ class CandidateSelector(nn.Module):
         predecessor_ids: torch.Tensor,
         top_k: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unary top-k ids [..., k], their scores [..., k]) (speculators)."""
-        candidate_ids = unary_logits.topk(top_k or self.top_k, dim=-1).indices
+        """(unary top-k ids [..., k], their scores [..., k]) (speculators). top_k: this
+        module's by default; 0 gives empty results, as torch.topk does."""
+        k = self.top_k if top_k is None else top_k
+        vocab = self.predecessor_codebook.shape[0]
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"top_k must be an int, got {type(k).__name__}.")
+        if k < 0 or k > vocab:
+            raise ValueError(f"top_k must be in [0, vocab_size={vocab}], got {k}.")
+        if not isinstance(unary_logits, torch.Tensor):
+            raise TypeError(f"unary_logits must be a torch.Tensor, got {type(unary_logits).__name__}.")
+        if unary_logits.dim() == 0 or unary_logits.shape[-1] != vocab:
+            raise ValueError(f"unary_logits must be [..., vocab_size={vocab}], got {tuple(unary_logits.shape)}.")
+        candidate_ids = unary_logits.topk(k, dim=-1).indices
         return candidate_ids, self.score_candidates(unary_logits, hidden_states, predecessor_ids, candidate_ids)
 
     def pair_scores(
@@ -168,7 +188,7 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """NeMo's ``pair_scores``: unary [..., k] already gathered; dtypes promote."""
         return pair_scores(
-            self.hidden_projection(hidden),
+            self._project(hidden, "hidden"),
             unary,
             self.predecessor_codebook,
             self.successor_codebook,
@@ -180,7 +200,7 @@ class CandidateSelector(nn.Module):
         self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(edges [B, D, k, k], candidate_ids [B, D, k]) of one drafted block: see :func:`edge_scores`."""
-        return edge_scores(self.hidden_projection(hidden), logits, anchor_ids, self.predecessor_codebook,
+        return edge_scores(self._project(hidden, "hidden"), logits, anchor_ids, self.predecessor_codebook,
                            self.successor_codebook, self.top_k)
 
     def walk(
@@ -197,7 +217,7 @@ class CandidateSelector(nn.Module):
         Returns (path [B, D], candidate_ids [B, D, k], draft_probs [B, D, k] float32 or
         None when temperature == 0); see :func:`walk`.
         """
-        return walk(self.hidden_projection(hidden), logits, anchor_ids, self.predecessor_codebook,
+        return walk(self._project(hidden, "hidden"), logits, anchor_ids, self.predecessor_codebook,
                     self.successor_codebook, self.top_k, temperature, generator=generator)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:

@@ -7,6 +7,8 @@ included, so that "the reference run in the input dtype" in the numerical contra
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -42,6 +44,8 @@ def _require_positive_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}.")
+    if value >= 2**63:  # the ops' schemas take a signed 64-bit int
+        raise ValueError(f"{name} must be < 2**63, got {value}.")
 
 
 def check_grouped_dynamic_conv_args(
@@ -75,7 +79,12 @@ def check_grouped_dynamic_conv_args(
         raise ValueError(
             f"hidden_size ({hidden_size}) must be divisible by group_size ({group_size})."
         )
-    kernel_size = base_kernel.shape[0] if base_kernel.dim() > 0 else 0
+    if base_kernel.dim() != 2:
+        raise ValueError(
+            "base_kernel must have shape [kernel_size, hidden_size], got "
+            f"{tuple(base_kernel.shape)}."
+        )
+    kernel_size = base_kernel.shape[0]
     if kernel_size > block_size:
         raise ValueError(f"kernel_size ({kernel_size}) cannot exceed block_size ({block_size}).")
     if base_kernel.dim() != 2 or kernel_size < 1 or base_kernel.shape[1] != hidden_size:
@@ -111,8 +120,9 @@ def grouped_dynamic_conv(
     )
     kernel_size, hidden_size = base_kernel.shape
     num_groups = hidden_size // group_size
-    rows = hidden_states.reshape(-1, num_groups, group_size)
-    delta = delta_kernel.reshape(-1, kernel_size, num_groups)
+    count = math.prod(hidden_states.shape[:-1])  # not -1: ambiguous when H = 0
+    rows = hidden_states.reshape(count, num_groups, group_size)
+    delta = delta_kernel.reshape(count, kernel_size, num_groups)
     position = torch.arange(rows.shape[0], device=rows.device) % block_size
     base = base_kernel.to(rows.dtype).view(kernel_size, 1, num_groups, group_size)
 

@@ -90,7 +90,7 @@ def _good(device="cpu"):
 BAD_INPUTS = [
     (5, lambda t: t.float(), TypeError, "candidate_ids must hold integer token ids, got torch.float32."),
     (4, lambda t: t.bool(), TypeError, "predecessor_ids must hold integer token ids, got torch.bool."),
-    (0, lambda t: t.int(), TypeError, "unary must be float16, bfloat16, float32 or float64, got torch.int32."),
+    (0, lambda t: t.int(), TypeError, "unary_logits must be float16, bfloat16, float32 or float64, got torch.int32."),
     (3, lambda t: t.double(), TypeError, "the codebooks must share a dtype, got torch.float32 and torch.float64."),
     (3, lambda t: t[:5], ValueError, "successor_codebook must have predecessor_codebook's shape (7, 12), got (5, 12)."),
     (1, lambda t: t[..., :8], ValueError, "projected must have shape (2, 3, 12)"),

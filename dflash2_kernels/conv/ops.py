@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend, triton_importable
 from .._extension import EXTENSION_LOADED, has_kernel
@@ -69,10 +70,18 @@ if EXTENSION_LOADED:
     # Shapes of the raw C++ ops, so that they trace on their own too (opcheck, compile).
     @torch.library.register_fake("dflash2::conv_forward_cpu")
     def _(x, delta, base, block_size, out_dtype):
+        op = "conv_forward_cpu"
+        fake_checks.one_device(op, x=x, delta=delta, base=base)
+        for name, dtype in (("x", x.dtype), ("delta", delta.dtype), ("base", base.dtype), ("out_dtype", out_dtype)):
+            fake_checks.float_dtype(op, name, dtype)
         return x.new_empty(x.shape, dtype=out_dtype)
 
     @torch.library.register_fake("dflash2::conv_backward_cpu")
     def _(grad_out, x, delta, base, block_size):
+        op = "conv_backward_cpu"
+        fake_checks.one_device(op, grad_out=grad_out, x=x, delta=delta, base=base)
+        for name, tensor in (("grad_out", grad_out), ("x", x), ("delta", delta), ("base", base)):
+            fake_checks.float_dtype(op, name, tensor.dtype)
         return x.new_empty(x.shape), delta.new_empty(delta.shape), base.new_empty(base.shape)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend
 from .._extension import EXTENSION_LOADED
@@ -29,11 +30,29 @@ if EXTENSION_LOADED:
     @torch.library.register_fake("dflash2::selector_scores")
     def _(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
           unary_gathered, out_dtype):
+        op = "selector_scores"
+        fake_checks.one_device(op, unary=unary, projected=projected, predecessor_codebook=predecessor_codebook,
+                               successor_codebook=successor_codebook, predecessor_ids=predecessor_ids,
+                               candidate_ids=candidate_ids)
+        for name, tensor in (("unary", unary), ("projected", projected), ("predecessor_codebook",
+                                                                          predecessor_codebook)):
+            fake_checks.float_dtype(op, name, tensor.dtype)
+        fake_checks.float_dtype(op, "out_dtype", out_dtype)
+        fake_checks.int64_ids(op, predecessor_ids=predecessor_ids, candidate_ids=candidate_ids)
         return projected.new_empty((projected.shape[0], candidate_ids.shape[-1]), dtype=out_dtype)
 
     @torch.library.register_fake("dflash2::selector_scores_backward")
     def _(grad_scores, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
           unary_gathered, unary_width, unary_dtype):
+        op = "selector_scores_backward"
+        fake_checks.one_device(op, grad_scores=grad_scores, projected=projected,
+                               predecessor_codebook=predecessor_codebook, successor_codebook=successor_codebook,
+                               predecessor_ids=predecessor_ids, candidate_ids=candidate_ids)
+        for name, tensor in (("grad_scores", grad_scores), ("projected", projected),
+                             ("predecessor_codebook", predecessor_codebook)):
+            fake_checks.float_dtype(op, name, tensor.dtype)
+        fake_checks.float_dtype(op, "unary_dtype", unary_dtype)
+        fake_checks.int64_ids(op, predecessor_ids=predecessor_ids, candidate_ids=candidate_ids)
         return (
             projected.new_empty((projected.shape[0], unary_width), dtype=unary_dtype),
             projected.new_empty(projected.shape),
@@ -75,9 +94,13 @@ def _check(name: str, tensor, *, floating: bool = True) -> None:
 
 def _validate(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               *, unary_gathered: bool) -> None:
-    """Clear Python errors, naming the argument, before anything reaches a kernel."""
-    for name, tensor in (("unary", unary), ("projected", projected),
-                         ("predecessor_codebook", predecessor_codebook), ("successor_codebook", successor_codebook)):
+    """Clear Python errors, naming the argument, before anything reaches a kernel.
+    ``unary`` None: there is none (transition_scores)."""
+    named = (("projected", projected), ("predecessor_codebook", predecessor_codebook),
+             ("successor_codebook", successor_codebook))
+    if unary is not None:
+        named = (("unary_logits" if not unary_gathered else "unary", unary),) + named
+    for name, tensor in named:
         _check(name, tensor)
     _check("predecessor_ids", predecessor_ids, floating=False)
     _check("candidate_ids", candidate_ids, floating=False)
@@ -100,11 +123,11 @@ def _validate(unary, projected, predecessor_codebook, successor_codebook, predec
     if candidate_ids.dim() != len(lead) + 1 or tuple(candidate_ids.shape[:-1]) != lead:
         raise ValueError(f"candidate_ids must have shape {(*lead, 'k')}, got {tuple(candidate_ids.shape)}.")
     width = candidate_ids.shape[-1] if unary_gathered else vocab
-    if tuple(unary.shape) != (*lead, width):
-        what = "gathered unary scores" if unary_gathered else "unary_logits"
+    if unary is not None and tuple(unary.shape) != (*lead, width):
+        what = "unary (the gathered unary scores)" if unary_gathered else "unary_logits"
         raise ValueError(f"{what} must have shape {(*lead, width)}, got {tuple(unary.shape)}.")
-    devices = {t.device for t in (unary, projected, predecessor_codebook, successor_codebook, predecessor_ids,
-                                  candidate_ids)}
+    tensors = (projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids)
+    devices = {t.device for t in (tensors if unary is None else (unary, *tensors))}
     if len(devices) > 1:
         raise ValueError(f"all selector tensors must be on one device, got {sorted(map(str, devices))}.")
 
@@ -114,22 +137,29 @@ def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 or tensor.shape[-1] <= 1 else tensor.contiguous()
 
 
+def _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids) -> bool:
+    """No rows, no candidates or rank 0: the result is empty or the gathered unary alone,
+    which the reference forms (with its gradients) at no cost."""
+    return predecessor_ids.numel() == 0 or candidate_ids.shape[-1] == 0 or predecessor_codebook.shape[1] == 0
+
+
 def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
                   *, unary_gathered: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """Flatten the leading dims, normalise ids and P's dtype, run the op, restore dims."""
     lead = predecessor_ids.shape
+    rows = predecessor_ids.numel()
     k = candidate_ids.shape[-1]
     rank = predecessor_codebook.shape[1]
     if projected.dtype != predecessor_codebook.dtype:
         # The kernels read P in the codebook dtype or fp32; fp32 holds any P exactly.
         projected = projected.float()
     scores = torch.ops.dflash2.selector_scores(
-        _unit_last_stride(unary.reshape(-1, unary.shape[-1])),
-        _unit_last_stride(projected.reshape(-1, rank)),
+        _unit_last_stride(unary.reshape(rows, unary.shape[-1])),
+        _unit_last_stride(projected.reshape(rows, rank)),
         _unit_last_stride(predecessor_codebook),
         _unit_last_stride(successor_codebook),
-        predecessor_ids.reshape(-1).long(),
-        candidate_ids.reshape(-1, k).long(),
+        predecessor_ids.reshape(rows).long(),
+        candidate_ids.reshape(rows, k).long(),
         unary_gathered,
         out_dtype,
     )
@@ -162,6 +192,10 @@ def score_candidates(
         )
     _validate(unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=False)
+    if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
+        return reference.selector_score_candidates(
+            unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
+        )
     return _fused_scores(unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids,
                          candidate_ids, unary_gathered=False, out_dtype=unary_logits.dtype)
 
@@ -178,9 +212,13 @@ def transition_scores(
         return reference.selector_transition_scores(
             projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
         )
-    zeros = predecessor_codebook.new_zeros(candidate_ids.shape)
-    _validate(zeros, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+    _validate(None, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=True)
+    if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
+        return reference.selector_transition_scores(
+            projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
+        )
+    zeros = predecessor_codebook.new_zeros(candidate_ids.shape)
     return _fused_scores(zeros, projected, predecessor_codebook, successor_codebook, predecessor_ids,
                          candidate_ids, unary_gathered=True, out_dtype=predecessor_codebook.dtype)
 
@@ -203,6 +241,10 @@ def pair_scores(
         )
     _validate(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=True)
+    if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
+        return reference.selector_pair_scores(
+            projected, unary, predecessor_codebook, successor_codebook, candidate_ids, predecessor_ids
+        )
     out_dtype = torch.promote_types(unary.dtype, torch.promote_types(predecessor_codebook.dtype, projected.dtype))
     return _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids,
                          candidate_ids, unary_gathered=True, out_dtype=out_dtype)

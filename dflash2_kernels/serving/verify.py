@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend
 from .._extension import EXTENSION_LOADED, has_kernel
@@ -24,6 +25,13 @@ if EXTENSION_LOADED:
 
     @torch.library.register_fake("dflash2::rejection_sample")
     def _(draft_tokens, target_probs, draft_probs, candidate_ids, uniforms):
+        op = "rejection_sample"
+        fake_checks.one_device(op, draft_tokens=draft_tokens, target_probs=target_probs, draft_probs=draft_probs,
+                               candidate_ids=candidate_ids, uniforms=uniforms)
+        fake_checks.float_dtype(op, "target_probs", target_probs.dtype, fake_checks.SERVING_FLOATS)
+        fake_checks.float_dtype(op, "draft_probs", draft_probs.dtype, (torch.float32,))
+        fake_checks.float_dtype(op, "uniforms", uniforms.dtype, (torch.float32,))
+        fake_checks.int64_ids(op, draft_tokens=draft_tokens, candidate_ids=candidate_ids)
         batch = draft_tokens.shape[0]
         return draft_tokens.new_empty(batch, dtype=torch.long), draft_tokens.new_empty(batch, dtype=torch.long)
 

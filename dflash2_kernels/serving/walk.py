@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend
 from .._extension import EXTENSION_LOADED, has_kernel
@@ -27,12 +28,23 @@ if EXTENSION_LOADED:
 
     @torch.library.register_fake("dflash2::candidate_topk")
     def _(logits, top_k):
+        fake_checks.float_dtype("candidate_topk", "logits", logits.dtype, fake_checks.SERVING_FLOATS)
         shape = (logits.shape[0], top_k)
         return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.long)
 
     @torch.library.register_fake("dflash2::select_path")
     def _(logits, projected, predecessor_codebook, successor_codebook, anchor_ids, uniforms, top_k, temperature,
           score_dtype):
+        op = "select_path"
+        tensors = dict(logits=logits, projected=projected, predecessor_codebook=predecessor_codebook,
+                       successor_codebook=successor_codebook, anchor_ids=anchor_ids)
+        if temperature > 0:
+            tensors["uniforms"] = uniforms
+        fake_checks.one_device(op, **tensors)
+        for name in ("logits", "projected", "predecessor_codebook"):
+            fake_checks.float_dtype(op, name, tensors[name].dtype, fake_checks.SERVING_FLOATS)
+        fake_checks.float_dtype(op, "score_dtype", score_dtype, fake_checks.SERVING_FLOATS)
+        fake_checks.int64_ids(op, anchor_ids=anchor_ids)
         batch, draft = logits.shape[:2]
         return (
             logits.new_empty((batch, draft), dtype=torch.long),

@@ -1,9 +1,9 @@
 """The emulated CUDA kernels: torch.ops.dflash2_emulated.*, the package's CUDA kernels
 run on CPU tensors by the SIMT runtime (csrc/emulation/), built with AddressSanitizer.
 
-Run through ``python scripts/emulated.py test`` (part of ``make test``): it builds the
-library, preloads the sanitizer's runtime, and points DFLASH2_EMULATED_LIB at the
-library. A plain ``pytest`` skips this directory, saying so.
+Run through ``python scripts/asan.py test`` (part of ``make test``): it builds the
+sanitized library, preloads the sanitizer's runtime, and points DFLASH2_EMULATED_LIB
+at the library. A plain ``pytest`` skips this directory, saying so.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SCHEDULE_SEEDS = (1, 2, 3)
 def pytest_collection_modifyitems(config, items):
     if LIBRARY:
         return
-    skip = pytest.mark.skip(reason="emulated CUDA kernels: run `python scripts/emulated.py test` (make test does)")
+    skip = pytest.mark.skip(reason="emulated CUDA kernels: run `python scripts/asan.py test` (make test does)")
     here = os.path.dirname(__file__)
     for item in items:
         if str(item.fspath).startswith(here):

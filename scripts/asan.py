@@ -1,23 +1,22 @@
-"""Build and test the CUDA kernels on the CPU, through the SIMT runtime (csrc/emulation/).
+"""The sanitized test build: the C++ extension with AddressSanitizer, CUDA kernels included
+(run on the CPU by the SIMT runtime, csrc/emulation/), and the suite run against it.
 
-    python scripts/emulated.py build            # build/emulated/: the op library and the runtime's self-test
-    python scripts/emulated.py test [ARGS...]   # build, then pytest tests/emulated ARGS under AddressSanitizer
+    python scripts/asan.py build            # build/asan/: the extension and the runtime's self-test
+    python scripts/asan.py test [ARGS...]   # build, then pytest ARGS (default: tests/) under the sanitizer
 
-The build is incremental (ninja, with the compiler's header dependencies), so an edit
-anywhere under csrc/ rebuilds exactly what it affects. Both targets are built with
-AddressSanitizer where the compiler has it (``--no-asan`` to skip): an out-of-bounds
-read or write in a kernel then aborts with a report. A library built with the
-sanitizer needs its runtime loaded first, so ``test`` runs pytest in a fresh process
-with ``LD_PRELOAD`` set (the sanitizer's runtime, then the C++ runtime, whose
-``__cxa_throw`` the sanitizer otherwise intercepts too early at import).
+One library, ``build/asan/_C.so``, holds the C++ CPU kernels and their ops
+(``torch.ops.dflash2.*``, CPU only) and the CUDA kernels compiled as host C++ with the
+CUDA bindings compiled for CPU tensors (``torch.ops.dflash2_emulated.*``). ``test`` runs
+pytest in a fresh process with that library as ``dflash2_kernels._C``
+(DFLASH2_EXTENSION_PATH), the sanitizer's runtime preloaded (then the C++ runtime, whose
+``__cxa_throw`` the sanitizer otherwise intercepts too early at import), and every
+allocation of the C++ ops NaN-poisoned: an out-of-bounds read or write in any kernel,
+CPU or CUDA, aborts with a report. ``--no-asan`` builds without the sanitizer.
 
-What it builds:
-- ``libdflash2_emulated.so``: the kernels of csrc/kernels/*.cu compiled as host C++ and
-  the CUDA bindings compiled for CPU tensors, as ``torch.ops.dflash2_emulated.*``;
-- ``simt_selftest``: tests/simt/simt_selftest.cpp, the runtime's own tests (no torch).
-
-Needs the CUDA toolkit's headers (cuda_fp16.h, cuda_bf16.h, cuda_runtime_api.h; no
-GPU, no nvcc), ninja and g++.
+The build is incremental (ninja, with the compiler's header dependencies): an edit
+anywhere under csrc/ rebuilds exactly what it affects. It is a test build, made by the
+test command (``make test``), never by ``pip install``. Needs g++, ninja and the CUDA
+toolkit's headers (cuda_fp16.h, cuda_bf16.h, cuda_runtime_api.h; no GPU, no nvcc).
 """
 
 from __future__ import annotations
@@ -32,12 +31,17 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "build" / "emulated"
-LIBRARY = BUILD / "libdflash2_emulated.so"
+BUILD = ROOT / "build" / "asan"
+LIBRARY = BUILD / "_C.so"
 SELFTEST = BUILD / "simt_selftest"
 
 RUNTIME_SOURCES = ["csrc/emulation/simt.cpp", "csrc/emulation/fiber.cpp"]
-LIBRARY_SOURCES = RUNTIME_SOURCES + [
+# The CPU kernels and the op library as setup.py builds them (the CUDA bindings are the
+# emulated ones), plus the emulated CUDA kernels and their op library.
+CPU_SOURCES = sorted(
+    str(path.relative_to(ROOT)) for path in (ROOT / "csrc").glob("*.cpp") if not path.name.endswith("_cuda.cpp")
+)
+EMULATED_SOURCES = [
     "csrc/emulation/registration.cpp",
     "csrc/emulation/selector_kernels.cpp",
     "csrc/emulation/serving_kernels.cpp",
@@ -45,9 +49,10 @@ LIBRARY_SOURCES = RUNTIME_SOURCES + [
     "csrc/emulation/selector_bindings.cpp",
     "csrc/emulation/serving_bindings.cpp",
 ]
+LIBRARY_SOURCES = CPU_SOURCES + EMULATED_SOURCES + RUNTIME_SOURCES
 SELFTEST_SOURCES = RUNTIME_SOURCES + ["tests/simt/simt_selftest.cpp"]
-# The sources that include torch's headers (the others need only the CUDA toolkit's).
-TORCH_SOURCES = {
+# The sources that include torch's (and Python's) headers; the others need only the CUDA toolkit's.
+TORCH_SOURCES = set(CPU_SOURCES) | {
     "csrc/emulation/registration.cpp",
     "csrc/emulation/selector_bindings.cpp",
     "csrc/emulation/serving_bindings.cpp",
@@ -69,7 +74,7 @@ def cuda_include_dir() -> Path:
         if all((directory / name).exists() for name in ("cuda_fp16.h", "cuda_bf16.h", "cuda_runtime_api.h")):
             return directory
     raise SystemExit(
-        "emulated build: no CUDA headers (cuda_fp16.h, cuda_bf16.h, cuda_runtime_api.h) found; set CUDA_HOME. "
+        "sanitized build: no CUDA headers (cuda_fp16.h, cuda_bf16.h, cuda_runtime_api.h) found; set CUDA_HOME. "
         f"Looked in: {', '.join(map(str, dirs))}"
     )
 
@@ -90,7 +95,7 @@ def sanitizer_preload(cxx: str) -> str:
     for name in ("libasan.so", "libstdc++.so"):
         path = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
         if not os.path.isabs(path):
-            raise SystemExit(f"emulated build: {cxx} does not know where {name} is")
+            raise SystemExit(f"sanitized build: {cxx} does not know where {name} is")
         libraries.append(os.path.realpath(path))
     return " ".join(libraries)
 
@@ -99,16 +104,19 @@ def ninja_file(cxx: str, asan: bool) -> str:
     import torch
     from torch.utils import cpp_extension
 
-    common = ["-std=c++20", "-O2", "-g1", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Wno-sign-compare"]
+    # -fvisibility=hidden keeps this library's symbols (the kernels' launchers) from
+    # binding to another build's; PyInit__C is exported explicitly by Python's headers.
+    common = ["-std=c++20", "-O2", "-g1", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", "-Wno-sign-compare"]
     common += ["-DDFLASH2_EMULATED", f"-I{ROOT / 'csrc'}", f"-isystem{cuda_include_dir()}"]
     if asan:
         common += ASAN_FLAGS
     torch_flags = [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    torch_flags.append(f"-isystem{sysconfig.get_paths()['include']}")
     torch_flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
     torch_libs = [f"-L{path}" for path in cpp_extension.library_paths()]
     torch_libs += [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
     torch_libs += ["-lc10", "-ltorch", "-ltorch_cpu"]
-    link = ["-pthread"] + (ASAN_FLAGS if asan else [])
+    link = ["-pthread", "-fopenmp"] + (ASAN_FLAGS if asan else [])
 
     def quote(words):
         return " ".join(shlex.quote(w) for w in words)
@@ -162,9 +170,13 @@ def build(asan: bool) -> None:
 
 def test_environment() -> dict[str, str]:
     env = dict(os.environ)
+    env["DFLASH2_EXTENSION_PATH"] = str(LIBRARY)
     env["DFLASH2_EMULATED_LIB"] = str(LIBRARY)
     env["DFLASH2_SIMT_SELFTEST"] = str(SELFTEST)
     env["DFLASH2_POISON_OUTPUTS"] = "1"
+    # This build has CPU kernels only (the CUDA kernels are the emulated ops): tests
+    # that expect CUDA kernels wherever nvcc exists read this switch.
+    env["DFLASH2_BUILD_CUDA"] = "0"
     if (BUILD / "asan").read_text().strip() == "1":
         env["LD_PRELOAD"] = sanitizer_preload(os.environ.get("CXX", "g++"))
         # torch leaks by design at exit; what matters here is every out-of-bounds access.
@@ -179,7 +191,7 @@ def main() -> None:
     args, pytest_args = parser.parse_known_args()
     build(asan=not args.no_asan)
     if args.command == "test":
-        command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "emulated"), *pytest_args]
+        command = [sys.executable, "-m", "pytest", *(pytest_args or [str(ROOT / "tests")])]
         os.execve(sys.executable, command, test_environment())
 
 
