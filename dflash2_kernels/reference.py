@@ -54,23 +54,27 @@ def check_grouped_dynamic_conv_args(
     base_kernel: torch.Tensor,
     block_size: int,
     group_size: int,
+    *,
+    names: tuple[str, str] = ("hidden_states", "delta_kernel"),
 ) -> None:
     """Validate the conv's arguments; raise before any kernel could launch.
 
     The four shape/size ``ValueError`` messages are speculators' word for word, in
-    speculators' order, so code that matches on them keeps working.
+    speculators' order, so code that matches on them keeps working. ``names``: what
+    the caller calls the hidden and delta tensors (NeMo: ``hidden``, ``dynamic``).
     """
-    _require_tensor("hidden_states", hidden_states)
-    _require_tensor("delta_kernel", delta_kernel)
+    hidden_name, delta_name = names
+    _require_tensor(hidden_name, hidden_states)
+    _require_tensor(delta_name, delta_kernel)
     _require_tensor("base_kernel", base_kernel)
     _require_positive_int("block_size", block_size)
     _require_positive_int("group_size", group_size)
     if hidden_states.dim() < 1:
-        raise ValueError("hidden_states must have at least one dimension [..., hidden_size].")
+        raise ValueError(f"{hidden_name} must have at least one dimension [..., hidden_size].")
     devices = {t.device for t in (hidden_states, delta_kernel, base_kernel)}
     if len(devices) > 1:
         raise ValueError(
-            "hidden_states, delta_kernel and base_kernel must be on one device, got "
+            f"{hidden_name}, {delta_name} and base_kernel must be on one device, got "
             f"{hidden_states.device}, {delta_kernel.device} and {base_kernel.device}."
         )
 
@@ -87,7 +91,7 @@ def check_grouped_dynamic_conv_args(
     kernel_size = base_kernel.shape[0]
     if kernel_size > block_size:
         raise ValueError(f"kernel_size ({kernel_size}) cannot exceed block_size ({block_size}).")
-    if base_kernel.dim() != 2 or kernel_size < 1 or base_kernel.shape[1] != hidden_size:
+    if kernel_size < 1 or base_kernel.shape[1] != hidden_size:
         raise ValueError(
             "base_kernel must have shape [kernel_size, hidden_size], got "
             f"{tuple(base_kernel.shape)}."
@@ -95,7 +99,7 @@ def check_grouped_dynamic_conv_args(
     expected_delta_shape = (*hidden_states.shape[:-1], kernel_size, hidden_size // group_size)
     if tuple(delta_kernel.shape) != expected_delta_shape:
         raise ValueError(
-            f"delta_kernel must have shape {expected_delta_shape}, got "
+            f"{delta_name} must have shape {expected_delta_shape}, got "
             f"{tuple(delta_kernel.shape)}."
         )
 
@@ -144,10 +148,13 @@ def check_nemo_conv_args(
     group_size: int,
     block_size: int,
 ) -> None:
-    """NeMo's conv arguments: the conv's checks, then [B, S, H] with L dividing S."""
-    check_grouped_dynamic_conv_args(hidden, dynamic, base_kernel, block_size, group_size)
+    """NeMo's conv arguments, in NeMo's names: [B, S, H] hidden, the conv's checks, then
+    L dividing S."""
+    _require_tensor("hidden", hidden)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [batch, sequence, hidden], got {tuple(hidden.shape)}.")
+    check_grouped_dynamic_conv_args(hidden, dynamic, base_kernel, block_size, group_size,
+                                    names=("hidden", "dynamic"))
     if hidden.shape[1] % block_size:
         raise ValueError(
             f"sequence length ({hidden.shape[1]}) must be a multiple of block_size ({block_size})."

@@ -113,7 +113,8 @@ def _validate(unary, projected, predecessor_codebook, successor_codebook, predec
         )
     if successor_codebook.dtype != predecessor_codebook.dtype:
         raise TypeError(
-            f"the codebooks must share a dtype, got {predecessor_codebook.dtype} and {successor_codebook.dtype}."
+            f"successor_codebook must have predecessor_codebook's dtype {predecessor_codebook.dtype}, "
+            f"got {successor_codebook.dtype}."
         )
     vocab, rank = predecessor_codebook.shape
     lead = tuple(predecessor_ids.shape)
@@ -126,10 +127,10 @@ def _validate(unary, projected, predecessor_codebook, successor_codebook, predec
     if unary is not None and tuple(unary.shape) != (*lead, width):
         what = "unary (the gathered unary scores)" if unary_gathered else "unary_logits"
         raise ValueError(f"{what} must have shape {(*lead, width)}, got {tuple(unary.shape)}.")
-    tensors = (projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids)
-    devices = {t.device for t in (tensors if unary is None else (unary, *tensors))}
-    if len(devices) > 1:
-        raise ValueError(f"all selector tensors must be on one device, got {sorted(map(str, devices))}.")
+    named_all = (*named, ("predecessor_ids", predecessor_ids), ("candidate_ids", candidate_ids))
+    if len({tensor.device for _, tensor in named_all}) > 1:
+        listed = ", ".join(f"{name} on {tensor.device}" for name, tensor in named_all)
+        raise ValueError(f"all selector tensors must be on one device, got {listed}.")
 
 
 def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
