@@ -95,6 +95,25 @@ def test_empty_candidates_or_rank_give_the_reference_result(function, top_k, ran
     got.sum().backward()  # the gradients of an empty or rank-0 result exist too
 
 
+@pytest.mark.parametrize("function", ["score_candidates", "pair_scores"])
+def test_none_for_the_unary_scores_is_named(function):
+    _, projected, a, b, pred, cand, _ = _selector_args()
+    with pytest.raises(TypeError, match=r"unary(_logits)? must be a torch.Tensor, got NoneType"):
+        if function == "score_candidates":
+            dk.score_candidates(None, projected, a, b, pred, cand)
+        else:
+            dk.pair_scores(projected, None, a, b, cand, pred)
+
+
+@needs_extension
+def test_pair_scores_without_candidates_keeps_the_promised_dtype():
+    projected = torch.randn(2, 5, dtype=torch.float64)
+    unary = torch.randn(2, 0)
+    codebook = torch.randn(10, 5, dtype=torch.float16)
+    pred, cand = torch.zeros(2, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)
+    assert dk.pair_scores(projected, unary, codebook, codebook, cand, pred).dtype == torch.float64
+
+
 def test_transition_scores_checks_its_own_arguments_first():
     _, projected, a, b, pred, cand, _ = _selector_args()
     with pytest.raises(TypeError, match="projected must be a torch.Tensor"):

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -101,8 +100,6 @@ std::string where(const Fiber& fiber) {
 // function-local statics stands for every block's shared memory).
 struct Launch {
   const char* kernel = nullptr;
-  dim3 grid;
-  dim3 block;
   KernelBody body = nullptr;
   void* closure = nullptr;
   int threads = 0;
@@ -521,8 +518,6 @@ cudaError_t run_grid(const char* kernel, dim3 grid, dim3 block, size_t dynamic_s
   ensure_stacks(static_cast<int>(threads));
   Launch launch;
   launch.kernel = kernel;
-  launch.grid = grid;
-  launch.block = block;
   launch.body = body;
   launch.closure = closure;
   launch.threads = static_cast<int>(threads);

@@ -92,13 +92,18 @@ def _check(name: str, tensor, *, floating: bool = True) -> None:
         raise TypeError(f"{name} must hold integer token ids, got {tensor.dtype}.")
 
 
+# transition_scores has no unary scores: the validation skips them (None is a bad argument).
+_NO_UNARY = object()
+
+
 def _validate(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               *, unary_gathered: bool) -> None:
     """Clear Python errors, naming the argument, before anything reaches a kernel.
-    ``unary`` None: there is none (transition_scores)."""
+    ``unary`` _NO_UNARY: there is none (transition_scores)."""
+    has_unary = unary is not _NO_UNARY
     named = (("projected", projected), ("predecessor_codebook", predecessor_codebook),
              ("successor_codebook", successor_codebook))
-    if unary is not None:
+    if has_unary:
         named = (("unary_logits" if not unary_gathered else "unary", unary),) + named
     for name, tensor in named:
         _check(name, tensor)
@@ -124,7 +129,7 @@ def _validate(unary, projected, predecessor_codebook, successor_codebook, predec
     if candidate_ids.dim() != len(lead) + 1 or tuple(candidate_ids.shape[:-1]) != lead:
         raise ValueError(f"candidate_ids must have shape {(*lead, 'k')}, got {tuple(candidate_ids.shape)}.")
     width = candidate_ids.shape[-1] if unary_gathered else vocab
-    if unary is not None and tuple(unary.shape) != (*lead, width):
+    if has_unary and tuple(unary.shape) != (*lead, width):
         what = "unary (the gathered unary scores)" if unary_gathered else "unary_logits"
         raise ValueError(f"{what} must have shape {(*lead, width)}, got {tuple(unary.shape)}.")
     named_all = (*named, ("predecessor_ids", predecessor_ids), ("candidate_ids", candidate_ids))
@@ -213,7 +218,7 @@ def transition_scores(
         return reference.selector_transition_scores(
             projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
         )
-    _validate(None, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+    _validate(_NO_UNARY, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=True)
     if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
         return reference.selector_transition_scores(
@@ -242,10 +247,11 @@ def pair_scores(
         )
     _validate(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=True)
+    out_dtype = torch.promote_types(unary.dtype, torch.promote_types(predecessor_codebook.dtype, projected.dtype))
     if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
+        # The reference's einsum does not promote as documented: cast to the promised dtype.
         return reference.selector_pair_scores(
             projected, unary, predecessor_codebook, successor_codebook, candidate_ids, predecessor_ids
-        )
-    out_dtype = torch.promote_types(unary.dtype, torch.promote_types(predecessor_codebook.dtype, projected.dtype))
+        ).to(out_dtype)
     return _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids,
                          candidate_ids, unary_gathered=True, out_dtype=out_dtype)
