@@ -17,6 +17,9 @@ AUTOCAST = (torch.float32, torch.bfloat16, torch.float32)
 # pure bf16 activations with fp32 master weights: the base is rounded to bf16 first.
 BF16_FP32_BASE = (torch.bfloat16, torch.bfloat16, torch.float32)
 BF16_FP32_DELTA = (torch.bfloat16, torch.float32, torch.float32)
+# fp64 beside 16-bit operands: fp64 accumulation, results rounded once to 16 bits.
+F64_BF16_DELTA = (torch.float64, torch.bfloat16, torch.float64)
+F16_F64_DELTA = (torch.float16, torch.float64, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ CASES = [
     ConvCase((33,), 48, 16, 2, 8, BF16_FP32_BASE),
     ConvCase((33,), 48, 16, 2, 8, BF16_FP32_DELTA),
     ConvCase((5, 8), 32, 16, 2, 8, F64),
+    ConvCase((19,), 48, 16, 2, 8, F64_BF16_DELTA),
+    ConvCase((19,), 48, 16, 2, 8, F16_F64_DELTA),
     ConvCase((0,), 40, 8, 2, 8),  # empty
     ConvCase((2, 0), 48, 16, 2, 8, BF16),  # empty leading dim
 ]

@@ -135,7 +135,10 @@ def plan_conv_backward(
     """The backward launch and the buffers it writes: (launch, dx, ddelta splits, dbase partials).
 
     ddelta is [J_TILES, N, K, G]: delta's dtype when a group fits one channel tile,
-    otherwise fp32 partials per tile. dbase partials are [chunks, K, H] in fp64.
+    otherwise partials per tile in acc_dtype. dbase partials are [chunks, K, H] in fp64.
+    dx and ddelta come back in acc_dtype instead of a 16-bit input dtype when acc_dtype
+    is fp64: Triton has no single rounding from fp64 to fp16/bf16 (the interpreter
+    gives NaN), so the launcher rounds them once in PyTorch.
     """
     n_rows, hidden_size = x.shape
     kernel_size, num_groups = delta.shape[1], delta.shape[2]
@@ -148,8 +151,8 @@ def plan_conv_backward(
     programs = n_chunks * n_col_tiles
     _check_grid(programs)
 
-    dx = torch.empty((n_rows, hidden_size), dtype=x.dtype, device=x.device)
-    ddelta_dtype = delta.dtype if tiles.j_tiles == 1 else acc_dtype
+    dx = torch.empty((n_rows, hidden_size), dtype=_stored_dtype(x.dtype, acc_dtype), device=x.device)
+    ddelta_dtype = _stored_dtype(delta.dtype, acc_dtype) if tiles.j_tiles == 1 else acc_dtype
     ddelta = torch.empty((tiles.j_tiles, n_rows, kernel_size, num_groups), dtype=ddelta_dtype, device=x.device)
     dbase_partial = torch.empty((n_chunks, kernel_size, hidden_size), dtype=torch.float64, device=x.device)
     args = dict(
@@ -171,6 +174,14 @@ def plan_conv_backward(
     )
     launch = KernelLaunch(grouped_dynamic_conv_bwd_kernel, programs, args, constexprs, tiles.num_warps)
     return launch, dx, ddelta, dbase_partial
+
+
+def _stored_dtype(result_dtype: torch.dtype, acc_dtype: torch.dtype) -> torch.dtype:
+    """What a kernel stores a result of result_dtype as: fp64 rather than a 16-bit float
+    when it accumulates in fp64 (see plan_conv_backward)."""
+    if acc_dtype == torch.float64 and result_dtype.itemsize == 2:
+        return torch.float64
+    return result_dtype
 
 
 def conv_forward_triton(
@@ -197,6 +208,6 @@ def conv_backward_triton(
     acc_dtype = accumulator_dtype(dy, x, delta, base)
     launch, dx, ddelta, dbase_partial = plan_conv_backward(dy, x, delta, base.to(x.dtype), block_size, acc_dtype)
     launch.run(x)
-    ddelta = ddelta[0] if ddelta.shape[0] == 1 else ddelta.sum(0).to(delta.dtype)
+    ddelta = ddelta[0] if ddelta.shape[0] == 1 else ddelta.sum(0)
     # In fp64 the order of the chunks' sum does not matter to fp32's accuracy, however many.
-    return dx, ddelta, dbase_partial.sum(0).to(base.dtype)
+    return dx.to(x.dtype), ddelta.to(delta.dtype), dbase_partial.sum(0).to(base.dtype)
