@@ -10,13 +10,14 @@ PY := $(VENV)/bin/python
 # then recompiles only what the edit affects).
 EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env bench bench-selector test test-asan cuda-check clean
+.PHONY: env bench bench-selector test test-asan fuzz cuda-check clean
 
 env: $(VENV)/.built
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" pytest numpy ninja
+	$(PY) -m pip install --quiet --no-deps -r requirements/upstream.txt
 	touch $@
 
 $(VENV)/.built: $(VENV)/.ready $(EXTENSION_INPUTS)
@@ -37,6 +38,14 @@ test: env
 
 test-asan: env
 	$(PY) scripts/asan.py test
+
+# The fuzz suite alone, longer than the suite's 300 cases per target (tests/test_fuzz.py;
+# FUZZ_SEED draws other cases). Sanitized: `make fuzz FUZZ_ASAN=1`.
+FUZZ_CASES ?= 5000
+FUZZ_SEED ?= 0
+fuzz: env
+	DFLASH2_FUZZ_CASES=$(FUZZ_CASES) DFLASH2_FUZZ_SEED=$(FUZZ_SEED) \
+	  $(if $(FUZZ_ASAN),$(PY) scripts/asan.py test tests/test_fuzz.py,$(PY) -m pytest tests/test_fuzz.py)
 
 # The torch-free CUDA kernels alone, for sm_90: needs cmake and nvcc, not torch or a GPU.
 cuda-check:

@@ -8,9 +8,44 @@ from torch import nn
 from . import reference
 from .conv import grouped_dynamic_conv
 from .selector import pair_scores, score_candidates, transition_scores
+from .selector.ops import check_context_ids
 from .serving import edge_scores, walk
 
 __all__ = ["CandidateSelector", "GroupedDynamicCausalConv"]
+
+
+def _check_sizes(**sizes) -> None:
+    """Constructor sizes: ints in [1, 2**63) (TypeError / ValueError naming the size)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+        if value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if value >= 2**63:  # torch.empty's sizes are signed 64-bit
+            raise ValueError(f"{name} must be < 2**63, got {value}.")
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
+def check_hidden(name: str, hidden, weight: torch.Tensor) -> None:
+    """hidden [..., H] that ``nn.Linear(H, ...)`` with ``weight`` can take, checked in our
+    words before nn.Linear's own messages (which name no argument) could fire."""
+    reference.require_float_tensor(name, hidden)
+    width = weight.shape[1]
+    if hidden.dim() == 0 or hidden.shape[-1] != width:
+        raise ValueError(f"{name} must be [..., hidden_size={width}], got {tuple(hidden.shape)}.")
+    if hidden.device != weight.device:
+        raise ValueError(f"{name} is on {hidden.device} but the module's parameters are on {weight.device}.")
+    # Under autocast nn.Linear casts both operands; without it the dtypes must agree.
+    # (Autocast knows CPU, CUDA and a few accelerators; elsewhere there is none.)
+    if hidden.dtype != weight.dtype and not _autocast_enabled(hidden.device.type):
+        raise TypeError(f"{name} is {hidden.dtype} but the module's parameters are {weight.dtype} "
+                        "(cast one of them, or run under torch.autocast).")
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -22,10 +57,7 @@ class GroupedDynamicCausalConv(nn.Module):
 
     def __init__(self, hidden_size: int, *, block_size: int, kernel_size: int, group_size: int) -> None:
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("block_size", block_size),
-                            ("kernel_size", kernel_size), ("group_size", group_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        _check_sizes(hidden_size=hidden_size, block_size=block_size, kernel_size=kernel_size, group_size=group_size)
         if hidden_size % group_size:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by group_size ({group_size})."
@@ -53,6 +85,7 @@ class GroupedDynamicCausalConv(nn.Module):
         The projection runs once; both deltas are strided views of its output, which the
         kernels read in place.
         """
+        check_hidden("hidden_states", hidden_states, self.kernel_projection.weight)
         kernels = self.kernel_projection(hidden_states).view(
             *hidden_states.shape[:-1], 2, self.kernel_size, self.num_groups
         )
@@ -95,10 +128,7 @@ class CandidateSelector(nn.Module):
         self, vocab_size: int, hidden_size: int, rank: int, top_k: int, initializer_range: float = 0.02
     ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("rank", rank),
-                            ("top_k", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        _check_sizes(vocab_size=vocab_size, hidden_size=hidden_size, rank=rank, top_k=top_k)
         if top_k > vocab_size:
             raise ValueError(f"top_k ({top_k}) cannot exceed vocab_size ({vocab_size}).")
         self.top_k = top_k
@@ -115,18 +145,18 @@ class CandidateSelector(nn.Module):
 
     def _project(self, hidden: torch.Tensor, name: str) -> torch.Tensor:
         """P = W h: [..., H] -> [..., r], with a message that names the argument."""
-        if not isinstance(hidden, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(hidden).__name__}.")
-        width = self.hidden_projection.in_features
-        if hidden.dim() == 0 or hidden.shape[-1] != width:
-            raise ValueError(f"{name} must be [..., hidden_size={width}], got {tuple(hidden.shape)}.")
+        check_hidden(name, hidden, self.hidden_projection.weight)
         return self.hidden_projection(hidden)
 
     def context(self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor) -> torch.Tensor:
-        """A[pred] * W h in the codebook dtype: [..., r] (speculators)."""
-        return reference.selector_context(
-            self.predecessor_codebook, self._project(hidden_states, "hidden_states"), predecessor_ids
-        )
+        """A[pred] * W h in the codebook dtype: [..., r] (speculators).
+
+        hidden_states [..., H] float; predecessor_ids [...] int in [0, V), checked on
+        every device (a device sync: this is not a training hot path).
+        """
+        projected = self._project(hidden_states, "hidden_states")
+        check_context_ids(predecessor_ids, projected, self.predecessor_codebook)
+        return reference.selector_context(self.predecessor_codebook, projected, predecessor_ids)
 
     def transition_scores(
         self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor

@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "check_grouped_dynamic_conv_args",
     "check_nemo_conv_args",
+    "require_float_tensor",
     "grouped_dynamic_conv",
     "nemo_grouped_dynamic_convolve",
     "candidate_topk",
@@ -28,7 +29,8 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _require_tensor(name: str, value) -> None:
+def require_float_tensor(name: str, value) -> None:
+    """A torch.Tensor of a dtype the kernels read (TypeError naming ``name`` otherwise)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
     if value.dtype not in SUPPORTED_DTYPES:
@@ -64,9 +66,9 @@ def check_grouped_dynamic_conv_args(
     the caller calls the hidden and delta tensors (NeMo: ``hidden``, ``dynamic``).
     """
     hidden_name, delta_name = names
-    _require_tensor(hidden_name, hidden_states)
-    _require_tensor(delta_name, delta_kernel)
-    _require_tensor("base_kernel", base_kernel)
+    require_float_tensor(hidden_name, hidden_states)
+    require_float_tensor(delta_name, delta_kernel)
+    require_float_tensor("base_kernel", base_kernel)
     _require_positive_int("block_size", block_size)
     _require_positive_int("group_size", group_size)
     if hidden_states.dim() < 1:
@@ -149,11 +151,22 @@ def check_nemo_conv_args(
     block_size: int,
 ) -> None:
     """NeMo's conv arguments, in NeMo's names: [B, S, H] hidden, the conv's checks, then
-    L dividing S."""
-    _require_tensor("hidden", hidden)
+    L dividing S.
+
+    Any number of taps K >= 1 is accepted, K > L included (NeMo's decode step convolves
+    a one-position query with block_size 1): a tap past the block start reads zero.
+    speculators' ``kernel_size (K) cannot exceed block_size (L)`` does not apply here.
+    """
+    require_float_tensor("hidden", hidden)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [batch, sequence, hidden], got {tuple(hidden.shape)}.")
-    check_grouped_dynamic_conv_args(hidden, dynamic, base_kernel, block_size, group_size,
+    require_float_tensor("dynamic", dynamic)
+    require_float_tensor("base_kernel", base_kernel)
+    _require_positive_int("block_size", block_size)
+    # The shared checks see L raised to K, so speculators' K <= L rule never fires; a
+    # base_kernel that is not 2-D still gets their shape message.
+    taps = base_kernel.shape[0] if base_kernel.dim() == 2 else 1
+    check_grouped_dynamic_conv_args(hidden, dynamic, base_kernel, max(block_size, taps), group_size,
                                     names=("hidden", "dynamic"))
     if hidden.shape[1] % block_size:
         raise ValueError(
@@ -171,8 +184,9 @@ def nemo_grouped_dynamic_convolve(
     """NeMo Automodel's variant: positions restart with every sequence.
 
     hidden: [B, S, H] float with S a multiple of block_size; dynamic: [B, S, K, G];
-    base_kernel: [K, H]. Rounds like NeMo (base term, then an addcmul per tap).
-    Equal to :func:`grouped_dynamic_conv` whenever S is a multiple of block_size.
+    base_kernel: [K, H], any K >= 1 (taps >= block_size only ever read zero). Rounds
+    like NeMo (base term, then an addcmul per tap). Equal to :func:`grouped_dynamic_conv`
+    whenever S is a multiple of block_size and K <= block_size.
     """
     check_nemo_conv_args(hidden, dynamic, base_kernel, group_size, block_size)
     batch, seq_len, hidden_size = hidden.shape
@@ -183,8 +197,10 @@ def nemo_grouped_dynamic_convolve(
     taps = dynamic.reshape(batch, num_blocks, block_size, kernel_size, num_groups, 1)
     output = torch.zeros_like(blocks)
     for tap in range(kernel_size):
+        # Block position t reads t - tap; the first min(tap, L) positions read zero.
+        kept = max(block_size - tap, 0)
         values = blocks if tap == 0 else torch.nn.functional.pad(
-            blocks[:, :, : block_size - tap], (0, 0, 0, 0, tap, 0)
+            blocks[:, :, :kept], (0, 0, 0, 0, block_size - kept, 0)
         )
         kernel = base_kernel[tap].view(num_groups, group_size).to(hidden.dtype)
         output = output + kernel * values

@@ -112,6 +112,16 @@ def _(x, delta, base, block_size, group_size):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, delta.dtype))
 
 
+def _check_backward_args(grad_out, x, delta, base, block_size, group_size) -> None:
+    """The forward's checks, then grad_out: a float tensor of x's shape on x's device."""
+    reference.check_grouped_dynamic_conv_args(x, delta, base, block_size, group_size)
+    reference.require_float_tensor("grad_out", grad_out)
+    if grad_out.shape != x.shape:
+        raise ValueError(f"grad_out must have x's shape {tuple(x.shape)}, got {tuple(grad_out.shape)}.")
+    if grad_out.device != x.device:
+        raise ValueError(f"grad_out must be on x's device {x.device}, got {grad_out.device}.")
+
+
 @torch.library.custom_op("dflash2::grouped_dynamic_conv_backward", mutates_args=())
 def grouped_dynamic_conv_backward_op(
     grad_out: torch.Tensor,
@@ -122,7 +132,7 @@ def grouped_dynamic_conv_backward_op(
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx like x, ddelta [..., K, G] in delta's dtype, dbase [K, H] in base's dtype)."""
-    reference.check_grouped_dynamic_conv_args(x, delta, base, block_size, group_size)
+    _check_backward_args(grad_out, x, delta, base, block_size, group_size)
     if x.numel() == 0:
         return (
             torch.zeros(x.shape, dtype=x.dtype, device=x.device),
@@ -146,6 +156,7 @@ def grouped_dynamic_conv_backward_op(
 
 @grouped_dynamic_conv_backward_op.register_fake
 def _(grad_out, x, delta, base, block_size, group_size):
+    _check_backward_args(grad_out, x, delta, base, block_size, group_size)
     return (
         x.new_empty(x.shape),
         delta.new_empty(delta.shape),

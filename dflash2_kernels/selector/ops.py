@@ -92,6 +92,23 @@ def _check(name: str, tensor, *, floating: bool = True) -> None:
         raise TypeError(f"{name} must hold integer token ids, got {tensor.dtype}.")
 
 
+def check_context_ids(predecessor_ids, projected: torch.Tensor, predecessor_codebook: torch.Tensor) -> None:
+    """predecessor_ids [...] for P [..., r]: integer ids on P's device, each in [0, V)
+    (read on the host: one sync on a GPU, skipped while torch.compile traces)."""
+    _check("predecessor_ids", predecessor_ids, floating=False)
+    if tuple(predecessor_ids.shape) != tuple(projected.shape[:-1]):
+        raise ValueError(f"predecessor_ids must have shape {tuple(projected.shape[:-1])} (hidden_states' leading "
+                         f"dims), got {tuple(predecessor_ids.shape)}.")
+    if predecessor_ids.device != projected.device:
+        raise ValueError(f"predecessor_ids is on {predecessor_ids.device} but hidden_states is on {projected.device}.")
+    vocab = predecessor_codebook.shape[0]
+    if predecessor_ids.numel() and not torch.compiler.is_compiling():
+        low, high = int(predecessor_ids.min()), int(predecessor_ids.max())
+        if low < 0 or high >= vocab:
+            raise IndexError(f"predecessor_ids holds {low if low < 0 else high}, out of range for a vocabulary "
+                             f"of {vocab}.")
+
+
 # transition_scores has no unary scores: the validation skips them (None is a bad argument).
 _NO_UNARY = object()
 
@@ -156,6 +173,11 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
     rows = predecessor_ids.numel()
     k = candidate_ids.shape[-1]
     rank = predecessor_codebook.shape[1]
+    if torch.float64 in (unary.dtype, projected.dtype) and predecessor_codebook.dtype != torch.float64:
+        # The kernels compute in the codebooks' precision; an fp64 input asks for fp64
+        # (README: fp32, fp64 when an input is fp64). A [V, r] copy, for a rare mix of
+        # dtypes; autograd casts dA and dB back.
+        predecessor_codebook, successor_codebook = predecessor_codebook.double(), successor_codebook.double()
     if projected.dtype != predecessor_codebook.dtype:
         # The kernels read P in the codebook dtype or fp32; fp32 holds any P exactly.
         projected = projected.float()
