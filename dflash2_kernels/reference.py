@@ -276,11 +276,24 @@ def selector_pair_scores(
 # references draw the same tokens from the same uniforms: a draw over weights w picks
 # the first index whose running sum exceeds u * sum(w) (or, when rounding leaves no
 # such index, the last index with positive weight).
+#
+# These are also the serving functions' path wherever the kernels do not reach (k > 32,
+# float64, rejection sampling over more than 4,194,304 tokens), so they take every k in
+# [1, V] and every float dtype, and they are total: an id outside [0, V) gets the CUDA
+# kernels' rule (below) instead of an out-of-bounds read, with no host synchronisation.
+# (The public functions raise IndexError for such ids on CPU before calling these.)
 
 
 def serving_score_dtype(logits: torch.Tensor, projected: torch.Tensor, codebook: torch.Tensor) -> torch.dtype:
     """NeMo's score dtype: unary (logits' dtype) + einsum(A[pred] * P, B[cand])."""
     return torch.promote_types(logits.dtype, torch.promote_types(codebook.dtype, projected.dtype))
+
+
+def _in_vocabulary(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids as int64 with every id outside [0, vocab) replaced by 0, the mask of those in range)."""
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < vocab)
+    return torch.where(valid, ids, 0), valid
 
 
 def candidate_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,16 +314,22 @@ def serving_edge_scores(
     projected [B, D, r], logits [B, D, V], anchor_ids [B] -> (edges [B, D, k, k] in
     :func:`serving_score_dtype`, candidate_ids [B, D, k] int64). The predecessors of
     position t > 0 are cand[b, t-1, :]; position 0 has the anchor alone, so every row
-    i of E[b, 0] holds the anchor's scores.
+    i of E[b, 0] holds the anchor's scores. NeMo's arithmetic: T in
+    promote_types(codebooks, projected), added to U in the score dtype (so all-float64
+    inputs are computed in float64). An anchor outside [0, V) gives its sequence NaN
+    edges at t = 0 (the CUDA kernels' rule).
     """
     unary, candidate_ids = candidate_topk(logits, top_k)
     batch, draft = candidate_ids.shape[:2]
-    anchors = anchor_ids.long().reshape(batch, 1, 1).expand(batch, 1, top_k)
+    anchors, valid = _in_vocabulary(anchor_ids, predecessor_codebook.shape[0])
+    anchors = anchors.reshape(batch, 1, 1).expand(batch, 1, top_k)
     predecessors = torch.cat([anchors, candidate_ids[:, :-1]], dim=1)  # [B, D, k]
     gate = predecessor_codebook[predecessors] * projected.unsqueeze(-2)  # [B, D, k, r]
     successors = successor_codebook[candidate_ids].to(gate.dtype)  # [B, D, k, r]; einsum wants one dtype
     transition = torch.einsum("btir,btjr->btij", gate, successors)
-    return unary.unsqueeze(-2) + transition, candidate_ids
+    edges = unary.unsqueeze(-2) + transition
+    edges[:, 0] = torch.where(valid.reshape(batch, 1, 1), edges[:, 0], float("nan"))
+    return edges, candidate_ids
 
 
 def inverse_cdf_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -343,7 +362,9 @@ def serving_walk(
     Returns (path [B, D] int64, candidate_ids [B, D, k] int64, draft_probs [B, D, k]
     float32 or None when greedy). Greedy takes the first maximum (NaN counts as the
     maximum, as torch.argmax does); sampled steps draw from q = softmax(E_row.float() / T)
-    with :func:`inverse_cdf_draw` (the greedy choice when the scores are NaN).
+    with :func:`inverse_cdf_draw` (the greedy choice when the scores are NaN). A
+    sequence whose anchor is outside [0, V) walks its NaN first edges and gets path -1
+    (the CUDA kernels' rule).
     """
     edges, candidate_ids = serving_edge_scores(
         projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k
@@ -364,7 +385,9 @@ def serving_walk(
         else:
             choice = scores.argmax(dim=-1)
         path.append(candidate_ids[rows, position, choice])
-    return torch.stack(path, 1), candidate_ids, torch.stack(probs, 1) if probs else None
+    _, valid = _in_vocabulary(anchor_ids, predecessor_codebook.shape[0])
+    path = torch.where(valid.reshape(batch, 1), torch.stack(path, 1), -1)
+    return path, candidate_ids, torch.stack(probs, 1) if probs else None
 
 
 def rejection_sample(
@@ -380,13 +403,19 @@ def rejection_sample(
     [B, D, k], uniforms [B, D+1] (u[:, t] tests position t, u[:, D] draws the bonus)
     -> (accepted [B] int64, bonus [B] int64). Accept d_t while u_t * q_t(d_t) < p_t(d_t);
     the bonus comes from normalize(max(p_a - q_a, 0)) at the first rejection a (p_a if
-    that has no mass), or from p_D when all D are accepted. Computed in float64.
+    that has no mass), or from p_D when all D are accepted. Computed in float64, for any
+    V and k. Ids outside [0, V) follow the CUDA kernels' rule: such a draft token has
+    no target mass (it is never accepted), such a candidate takes no mass off the
+    residual.
     """
     batch, draft = draft_tokens.shape
-    tokens = draft_tokens.long()
+    vocab = target_probs.shape[-1]
+    tokens, token_valid = _in_vocabulary(draft_tokens, vocab)
+    candidates, candidate_valid = _in_vocabulary(candidate_ids, vocab)
     q_all = draft_probs.double()
     p = target_probs[:, :draft].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double().clamp_min(0)
-    q = (q_all * (candidate_ids.long() == tokens.unsqueeze(-1))).sum(-1)
+    p = torch.where(token_valid, p, 0.0)
+    q = (q_all * (candidate_ids.long() == draft_tokens.long().unsqueeze(-1))).sum(-1)
     passed = uniforms[:, :draft].double() * q < p
     accepted = passed.long().cumprod(-1).sum(-1)
     rows = torch.arange(batch, device=tokens.device)
@@ -394,7 +423,8 @@ def rejection_sample(
     rejected = accepted < draft
     at = accepted.clamp_max(draft - 1)
     residual = target_row.clone()
-    residual.scatter_add_(-1, candidate_ids.long()[rows, at], -q_all[rows, at])
+    taken = torch.where(candidate_valid, q_all, 0.0)
+    residual.scatter_add_(-1, candidates[rows, at], -taken[rows, at])
     residual = residual.clamp_min(0)
     use_residual = rejected & (residual.sum(-1) > 0)
     weights = torch.where(use_residual.unsqueeze(-1), residual, target_row)
@@ -404,7 +434,8 @@ def rejection_sample(
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix with d_t == argmax p_t, and the verifier's token after it.
 
-    draft_tokens [B, D], target_logits [B, D+1, V] -> (accepted [B], bonus [B]) int64.
+    draft_tokens [B, D], target_logits [B, D+1, V] (any float dtype, compared in it)
+    -> (accepted [B], bonus [B]) int64. A draft token outside [0, V) is never the argmax.
     """
     target = target_logits.argmax(-1)  # [B, D+1]
     draft = draft_tokens.shape[1]

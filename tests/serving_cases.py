@@ -3,7 +3,8 @@
 The shapes cross the CUDA kernels' edges: vocabularies below one 1,024-element top-k
 slice, across several slices, and with ragged ends; rank across the 128-column
 codebook tile; k from 1 to the 32-lane limit; and the 4,096-element slices of the
-rejection sampler.
+rejection sampler. The WIDE_* cases are what the kernels do not take (k > 32 up to
+k = V, float64 anywhere): the serving functions run the PyTorch reference there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import torch
 from dflash2_kernels import reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+SHORT = {F32: "f32", BF16: "bf16", F16: "f16", F64: "f64"}
+# The largest k of the fused serving kernels (one warp lane per candidate).
+KERNEL_TOP_K = 32
 
 
 @dataclass(frozen=True)
@@ -31,10 +37,18 @@ class BlockCase:
 
     @property
     def id(self) -> str:
-        short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-        projected = short[self.projected_dtype] if self.projected_dtype else "="
+        projected = SHORT[self.projected_dtype] if self.projected_dtype else "="
         return (f"B{self.batch}D{self.draft}V{self.vocab}r{self.rank}k{self.top_k}-"
-                f"{short[self.logits_dtype]}/{short[self.codebook_dtype]}/{projected}")
+                f"{SHORT[self.logits_dtype]}/{SHORT[self.codebook_dtype]}/{projected}")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.logits_dtype, self.codebook_dtype, self.projected_dtype or self.codebook_dtype
+
+    @property
+    def on_kernels(self) -> bool:
+        """Whether the compiled kernels take this block (else the reference runs it)."""
+        return self.top_k <= KERNEL_TOP_K and F64 not in self.dtypes
 
 
 BLOCK_CASES = [
@@ -46,6 +60,21 @@ BLOCK_CASES = [
     BlockCase(3, 2, 70_001, 64, 16, torch.bfloat16, torch.bfloat16, torch.float32),
     BlockCase(1, 8, 5000, 33, 7, torch.float32, torch.bfloat16, torch.float32),
     BlockCase(4, 3, 600, 256, 32, torch.bfloat16, torch.float32),
+]
+
+# Beyond the kernels: k above the 32 lanes (up to k = V) and float64, alone and mixed
+# with float32.
+WIDE_BLOCK_CASES = [
+    BlockCase(2, 3, 300, 16, 33),
+    BlockCase(2, 4, 2053, 129, 48, BF16, BF16),
+    BlockCase(3, 5, 1000, 64, 64, F16, F16, F32),
+    BlockCase(2, 3, 40, 8, 40),  # k = V
+    BlockCase(2, 4, 500, 32, 16, F64, F64),  # float64 at a k the kernels take
+    BlockCase(2, 3, 300, 24, 64, F64, F64),
+    BlockCase(2, 3, 300, 24, 8, F32, F64),  # float32 logits, float64 codebooks
+    BlockCase(2, 3, 300, 24, 8, F64, F32),  # float64 logits, float32 codebooks
+    BlockCase(2, 3, 300, 24, 33, F32, F32, F64),  # float64 projected
+    BlockCase(2, 3, 37, 7, 37, F64, F32, F32),  # k = V, float64 logits
 ]
 
 
@@ -68,10 +97,12 @@ def distinct_top_logits(shape: tuple[int, ...], vocab: int, top_k: int, dtype: t
 def block_inputs(case: BlockCase, device: str, *, seed: int = 0, scale: float = 0.5):
     """(projected [B, D, r], logits [B, D, V], anchor_ids [B], A [V, r], B [V, r])."""
     g = torch.Generator().manual_seed(seed)
+    # Cases with a float64 input draw in float64, so those values are not float32's.
+    source = F64 if F64 in case.dtypes else F32
     logits = distinct_top_logits((case.batch, case.draft), case.vocab, case.top_k, case.logits_dtype, g)
-    projected = torch.randn(case.batch, case.draft, case.rank, generator=g)
-    predecessor = torch.randn(case.vocab, case.rank, generator=g) * scale
-    successor = torch.randn(case.vocab, case.rank, generator=g) * scale
+    projected = torch.randn(case.batch, case.draft, case.rank, generator=g, dtype=source)
+    predecessor = torch.randn(case.vocab, case.rank, generator=g, dtype=source) * scale
+    successor = torch.randn(case.vocab, case.rank, generator=g, dtype=source) * scale
     anchors = torch.randint(0, case.vocab, (case.batch,), generator=g)
     projected = projected.to(case.projected_dtype or case.codebook_dtype)
     return (projected.to(device), logits.to(device), anchors.to(device),
@@ -102,10 +133,13 @@ class VerifyCase:
     top_k: int
     target_dtype: torch.dtype = torch.float32
     proposal: str = "random"  # random | close | covering | onehot
+    proposal_dtype: torch.dtype = torch.float32
 
     @property
     def id(self) -> str:
-        return f"B{self.batch}D{self.draft}V{self.vocab}k{self.top_k}-{str(self.target_dtype)[6:]}-{self.proposal}"
+        proposal_dtype = "" if self.proposal_dtype == F32 else f"-q{SHORT[self.proposal_dtype]}"
+        return (f"B{self.batch}D{self.draft}V{self.vocab}k{self.top_k}-{str(self.target_dtype)[6:]}-{self.proposal}"
+                f"{proposal_dtype}")
 
 
 VERIFY_CASES = [
@@ -116,6 +150,17 @@ VERIFY_CASES = [
     VerifyCase(32, 7, 9000, 16, proposal="covering"),
     VerifyCase(32, 5, 300, 40),
     VerifyCase(32, 7, 20_000, 16, proposal="onehot"),
+]
+
+# float64 probabilities (target, proposal or both), which the kernels do not take.
+WIDE_VERIFY_CASES = [
+    VerifyCase(64, 3, 10, 4, F64, "close"),
+    VerifyCase(64, 4, 37, 5, F64),
+    VerifyCase(48, 7, 4097, 16, F64, "close"),
+    VerifyCase(32, 7, 9000, 16, F64, "covering"),
+    VerifyCase(32, 5, 300, 40, F64, proposal_dtype=F64),
+    VerifyCase(32, 4, 300, 64, F32, "close", proposal_dtype=F64),
+    VerifyCase(32, 7, 2000, 16, F64, "onehot"),
 ]
 
 
@@ -130,14 +175,16 @@ def verify_inputs(case: VerifyCase, device: str, *, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     b, d, v, k = case.batch, case.draft, case.vocab, case.top_k
     sharpness = 8.0 if case.proposal == "close" else 3.0
-    target = torch.softmax(torch.randn(b, d + 1, v, generator=g) * sharpness, -1)
+    # Cases with float64 probabilities draw them in float64, so they are not float32's.
+    source = F64 if F64 in (case.target_dtype, case.proposal_dtype) else F32
+    target = torch.softmax(torch.randn(b, d + 1, v, generator=g, dtype=source) * sharpness, -1)
     candidates = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(b * d)]).view(b, d, k)
     if case.proposal == "close":  # the walk's candidates: the top of the distribution
         candidates = target[:, :d].topk(k, dim=-1).indices
     if case.proposal == "random":
-        proposal = torch.softmax(torch.randn(b, d, k, generator=g) * 2, -1)
+        proposal = torch.softmax(torch.randn(b, d, k, generator=g, dtype=source) * 2, -1)
     elif case.proposal == "onehot":
-        proposal = torch.zeros(b, d, k)
+        proposal = torch.zeros(b, d, k, dtype=source)
         proposal[..., 0] = 1.0
     else:
         on_candidates = target[:, :d].gather(-1, candidates)
@@ -148,7 +195,7 @@ def verify_inputs(case: VerifyCase, device: str, *, seed: int = 0):
     drawn = torch.multinomial(proposal.view(-1, k), 1, generator=g).view(b, d, 1)
     tokens = candidates.gather(-1, drawn).squeeze(-1)
     uniforms = torch.rand(b, d + 1, generator=g)
-    tensors = (tokens, target.to(case.target_dtype), proposal.float(), candidates, uniforms)
+    tensors = (tokens, target.to(case.target_dtype), proposal.to(case.proposal_dtype), candidates, uniforms)
     return tuple(t.to(device) for t in tensors)
 
 

@@ -2,10 +2,14 @@
 
 Every test runs on the C++ CPU twin and, with a GPU, on the CUDA kernels (the `gpu`
 marked parameter). Sampling is checked draw by draw here through fixed uniforms;
-tests/test_serving_stats.py checks the distributions.
+tests/test_serving_stats.py checks the distributions. The "wide" tests cover what the
+kernels do not take (k > 32, float64), where the serving functions run the reference.
 """
 
 from __future__ import annotations
+
+import importlib
+import re
 
 import pytest
 import torch
@@ -18,8 +22,14 @@ from .contract import assert_within_contract
 from .serving_cases import (
     BLOCK_CASES,
     DEVICES,
+    F32,
+    F64,
+    KERNEL_TOP_K,
     VERIFY_CASES,
+    WIDE_BLOCK_CASES,
+    WIDE_VERIFY_CASES,
     BlockCase,
+    VerifyCase,
     as_float64,
     assert_sampled_walk_follows_its_edges,
     block_inputs,
@@ -228,17 +238,20 @@ def _small_block():
 @pytest.mark.parametrize(
     "mutate, error, match",
     [
-        (lambda x: x.__setitem__(1, x[1].double()), TypeError, "logits"),
+        (lambda x: x.__setitem__(1, x[1].int()), TypeError, "logits"),
+        (lambda x: x.__setitem__(1, x[1].to(torch.complex64)), TypeError, "logits"),
         (lambda x: x.__setitem__(1, x[1][:, :, :30]), ValueError, "logits"),
         (lambda x: x.__setitem__(0, x[0][:, :2]), ValueError, "projected"),
         (lambda x: x.__setitem__(2, x[2].float()), TypeError, "anchor_ids"),
         (lambda x: x.__setitem__(2, x[2][:1]), ValueError, "anchor_ids"),
         (lambda x: x.__setitem__(4, x[4][:, :5]), ValueError, "successor_codebook"),
-        (lambda x: x.__setitem__(4, x[4].half()), TypeError, "codebooks"),
+        (lambda x: x.__setitem__(4, x[4].half()), TypeError, "successor_codebook"),
+        (lambda x: x.__setitem__(4, x[4].double()), TypeError, "successor_codebook"),
         (lambda x: x.__setitem__(3, x[3].int()), TypeError, "predecessor_codebook"),
+        (lambda x: x.__setitem__(0, x[0].bool()), TypeError, "projected"),
     ],
-    ids=["logits-f64", "logits-vocab", "projected-shape", "anchor-float", "anchor-shape", "successor-shape",
-         "codebook-dtypes", "codebook-int"],
+    ids=["logits-int", "logits-complex", "logits-vocab", "projected-shape", "anchor-float", "anchor-shape",
+         "successor-shape", "codebook-dtypes", "codebook-dtypes-f64", "codebook-int", "projected-bool"],
 )
 def test_walk_bad_arguments_raise_naming_them(mutate, error, match):
     inputs = _small_block()
@@ -247,12 +260,19 @@ def test_walk_bad_arguments_raise_naming_them(mutate, error, match):
         dk.walk(*inputs, SMALL.top_k, 0.0)
 
 
-@pytest.mark.parametrize("top_k, error", [(0, ValueError), (33, ValueError), (41, ValueError), (2.0, TypeError)])
+@pytest.mark.parametrize("top_k, error", [(0, ValueError), (-3, ValueError), (41, ValueError), (2**63, ValueError),
+                                          (2.0, TypeError), (True, TypeError), (None, TypeError)])
 def test_bad_top_k(top_k, error):
-    with pytest.raises(error, match="top_k"):
+    """k must lie in [1, V] (V = 40 here): any such k is served, so 33 is not an error."""
+    match = r"top_k must be in \[1, vocab_size=40\]" if error is ValueError else "top_k"
+    with pytest.raises(error, match=match):
         dk.walk(*_small_block(), top_k, 0.0)
-    with pytest.raises(error, match="top_k"):
+    with pytest.raises(error, match=match):
+        dk.edge_scores(*_small_block(), top_k)
+    with pytest.raises(error, match=match):
         dk.candidate_topk(torch.randn(2, 40), top_k)
+    with pytest.raises(error, match=match):
+        dk.candidate_topk(torch.randn(2, 40, dtype=torch.float64), top_k)
 
 
 @pytest.mark.parametrize("temperature, error", [(-0.5, ValueError), (float("nan"), ValueError),
@@ -285,7 +305,9 @@ def _verify_args():
         (0, lambda x: x.float(), TypeError, "draft_tokens"),
         (0, lambda x: x[:, :2], ValueError, "target_probs"),
         (1, lambda x: x[:, :-1], ValueError, "target_probs"),
-        (1, lambda x: x.double(), TypeError, "target_probs"),
+        (1, lambda x: x.to(torch.int32), TypeError, "target_probs"),
+        (1, lambda x: x.to(torch.complex64), TypeError, "target_probs"),
+        (2, lambda x: x.long(), TypeError, "draft_probs"),
         (2, lambda x: x[..., :3], ValueError, "candidate_ids"),
         (3, lambda x: x.float(), TypeError, "candidate_ids"),
         (2, lambda x: x[:1], ValueError, "draft_probs"),
@@ -343,6 +365,324 @@ def test_walk_and_verify_compile_fullgraph():
         return path, dk.rejection_sample(path, target, one_hot, candidates)
 
     target = torch.softmax(torch.randn(2, 5, 500), -1)
+    compiled = torch.compile(serve, fullgraph=True, backend="aot_eager")
+    path, (accepted, bonus) = compiled(projected, logits, anchors, target)
+    assert torch.equal(path, serve(projected, logits, anchors, target)[0])
+    assert accepted.shape == bonus.shape == (2,)
+
+
+# --- wide: every k in [1, V] and float64 (the reference path) ----------------------------
+
+WIDE_TOPK_SHAPES = [(3, 300, 33), (2, 2053, 48), (4, 1000, 64), (3, 40, 40), (2, 5000, 100), (2, 7, 7)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["random", "ties", "special"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", WIDE_TOPK_SHAPES, ids=str)
+def test_wide_candidate_topk_values_equal_torch_topk(shape, dtype, kind, device):
+    rows, vocab, top_k = shape
+    if dtype != torch.float64 and top_k <= KERNEL_TOP_K:
+        pytest.skip("on the kernels: test_candidate_topk_values_equal_torch_topk")
+    logits = topk_logits(rows, vocab, dtype, kind).to(device)
+    values, ids = dk.candidate_topk(logits, top_k)
+    expected = torch.topk(logits, top_k, dim=-1).values
+    assert values.dtype == dtype and ids.dtype == torch.int64 and values.shape == (rows, top_k)
+    torch.testing.assert_close(values, expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(logits.gather(-1, ids), values, rtol=0, atol=0, equal_nan=True)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "a row repeats an index"
+
+
+def test_wide_cases_run_the_reference_and_the_others_the_kernels(monkeypatch):
+    """What routes where: k > 32 or any float64 input to the reference, the rest to the op."""
+    serving_walk = importlib.import_module("dflash2_kernels.serving.walk")  # the module, not the function
+
+    def no_kernel(*args):
+        raise AssertionError("the fused op ran")
+
+    monkeypatch.setattr(serving_walk, "_select_path", no_kernel)
+    for case in WIDE_BLOCK_CASES:
+        assert not case.on_kernels
+        inputs = block_inputs(case, "cpu")
+        dk.walk(*inputs, case.top_k, 0.0)
+        dk.edge_scores(*inputs, case.top_k)
+    if has_kernel("select_path", "cpu"):
+        case = BLOCK_CASES[2]
+        assert case.on_kernels
+        with pytest.raises(AssertionError, match="the fused op ran"):
+            dk.walk(*block_inputs(case, "cpu"), case.top_k, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", WIDE_BLOCK_CASES, ids=lambda c: c.id)
+def test_wide_edge_scores_within_contract(case, device):
+    inputs = block_inputs(case, device)
+    edges, candidates = dk.edge_scores(*inputs, case.top_k)
+    expected, expected_candidates = reference.serving_edge_scores(*inputs, case.top_k)
+    exact, _ = reference.serving_edge_scores(*as_float64(*inputs), case.top_k)
+    assert edges.dtype == reference.serving_score_dtype(inputs[1], inputs[0], inputs[3])
+    assert candidates.dtype == torch.int64 and torch.equal(candidates, expected_candidates)
+    assert edges.shape == (case.batch, case.draft, case.top_k, case.top_k)
+    assert_within_contract(case.id, edges.cpu(), expected.cpu(), exact.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", WIDE_BLOCK_CASES, ids=lambda c: c.id)
+def test_wide_greedy_walk_equals_the_reference_walk(case, device):
+    """Token for token: the reference (NeMo's walk), and the argmax walk over the edges."""
+    inputs = block_inputs(case, device, seed=2)
+    path, candidates, draft_probs = dk.walk(*inputs, case.top_k, 0.0)
+    expected_path, expected_candidates, _ = reference.serving_walk(*inputs, case.top_k, 0.0)
+    edges, _ = dk.edge_scores(*inputs, case.top_k)
+    assert draft_probs is None
+    assert path.dtype == candidates.dtype == torch.int64 and path.shape == (case.batch, case.draft)
+    assert torch.equal(candidates, expected_candidates)
+    assert torch.equal(path, expected_path)
+    assert torch.equal(path, walk_over_edges(edges, candidates))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("case", WIDE_BLOCK_CASES, ids=lambda c: c.id)
+def test_wide_sampled_walk_proposal_is_softmax_along_its_path(case, temperature, device):
+    """q = softmax(edge row / T) along the path, each draw at its uniform, and the
+    reference's draws from the same generator state."""
+    inputs = block_inputs(case, device, seed=3, scale=2.0)
+    path, candidates, draft_probs = dk.walk(*inputs, case.top_k, temperature,
+                                            generator=torch.Generator(device).manual_seed(21))
+    uniforms = torch.rand(case.batch, case.draft, generator=torch.Generator(device).manual_seed(21), device=device)
+    edges, _ = dk.edge_scores(*inputs, case.top_k)
+    assert draft_probs.dtype == torch.float32 and draft_probs.shape == (case.batch, case.draft, case.top_k)
+    assert_sampled_walk_follows_its_edges(path, candidates, draft_probs, edges, uniforms, temperature)
+    expected_path, _, expected_probs = reference.serving_walk(*inputs, case.top_k, temperature, uniforms)
+    assert torch.equal(path, expected_path)
+    torch.testing.assert_close(draft_probs, expected_probs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [c for c in FP32_CASES if c.top_k > 1][:2], ids=lambda c: c.id)
+def test_kernels_and_reference_draw_the_same_tokens(case, device, monkeypatch):
+    """One generator state, the same uniforms on either path: the kernels' sampled walk
+    and the reference's (DFLASH2_BACKEND=reference) choose the same tokens."""
+    require_kernel("select_path", device)
+    inputs = block_inputs(case, device, seed=5, scale=2.0)
+    results = []
+    for backend in ("auto", "reference"):
+        monkeypatch.setenv("DFLASH2_BACKEND", backend)
+        results.append(dk.walk(*inputs, case.top_k, 0.7, generator=torch.Generator(device).manual_seed(3)))
+    (path, candidates, probs), (ref_path, ref_candidates, ref_probs) = results
+    assert torch.equal(candidates, ref_candidates) and torch.equal(path, ref_path)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6)
+
+
+WIDE_ON_CPU = [BlockCase(2, 3, 40, 8, 36), BlockCase(2, 3, 40, 8, 4, F64, F64), BlockCase(2, 3, 40, 8, 4, F32, F64)]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("bad_id", [40, -1, 2**40])
+@pytest.mark.parametrize("case", WIDE_ON_CPU, ids=lambda c: c.id)
+def test_wide_out_of_range_anchor_raises_on_cpu(case, bad_id, backend, monkeypatch):
+    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    inputs = list(block_inputs(case, "cpu"))
+    inputs[2] = torch.tensor([3, bad_id])
+    message = f"anchor_ids holds {bad_id} at flat index 1, out of range for a vocabulary of 40"
+    with pytest.raises(IndexError, match=re.escape(message)):
+        dk.walk(*inputs, case.top_k, 0.0)
+    with pytest.raises(IndexError, match=re.escape(message)):
+        dk.walk(*inputs, case.top_k, 1.0)
+    with pytest.raises(IndexError, match=re.escape(message)):
+        dk.edge_scores(*inputs, case.top_k)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_reference_gives_a_bad_anchor_the_cuda_kernels_rule(temperature):
+    """The reference is total (it is the CUDA path beyond the kernels, which cannot raise
+    without a sync): an anchor outside [0, V) gives its sequence NaN edges at t = 0 and
+    path -1; the other sequences are as with good anchors."""
+    case = BlockCase(3, 4, 300, 32, 40)
+    projected, logits, anchors, a, b = block_inputs(case, "cpu", seed=6)
+    bad = torch.tensor([int(anchors[0]), case.vocab, -3])
+    uniforms = torch.rand(3, 4, generator=torch.Generator().manual_seed(1))
+    edges, candidates = reference.serving_edge_scores(projected, logits, bad, a, b, case.top_k)
+    path, _, probs = reference.serving_walk(projected, logits, bad, a, b, case.top_k, temperature, uniforms)
+    good_edges, _ = reference.serving_edge_scores(projected, logits, anchors, a, b, case.top_k)
+    good_path, _, _ = reference.serving_walk(projected, logits, anchors, a, b, case.top_k, temperature, uniforms)
+    for sequence in (1, 2):
+        assert edges[sequence, 0].isnan().all() and (path[sequence] == -1).all()
+        assert torch.equal(edges[sequence, 1:], good_edges[sequence, 1:])
+    assert torch.equal(edges[0], good_edges[0]) and torch.equal(path[0], good_path[0])
+    if temperature > 0:
+        assert probs[1:, 0].isnan().all() and not probs[0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_wide_out_of_range_anchor_on_cuda_gives_nan_edges_and_no_path():
+    """No host sync on CUDA beyond the kernels either: the kernels' NaN / -1 rule."""
+    case = BlockCase(3, 4, 300, 32, 40)
+    projected, logits, anchors, a, b = block_inputs(case, "cuda", seed=6)
+    anchors = torch.tensor([5, case.vocab, -3], device="cuda")
+    edges, _ = dk.edge_scores(projected, logits, anchors, a, b, case.top_k)
+    path, _, _ = dk.walk(projected, logits, anchors, a, b, case.top_k, 0.0)
+    for sequence in (1, 2):
+        assert edges[sequence, 0].isnan().all() and (path[sequence] == -1).all()
+        assert not edges[sequence, 1:].isnan().any()
+    assert not edges[0].isnan().any() and (path[0] >= 0).all()
+
+
+@pytest.mark.parametrize("case", [BlockCase(2, 3, 300, 16, 48), BlockCase(2, 3, 300, 16, 8, F64, F64),
+                                  BlockCase(2, 3, 300, 16, 8)], ids=lambda c: c.id)
+def test_temperature_rounding_to_zero_as_a_float32_walks_greedily(case):
+    inputs = block_inputs(case, "cpu", seed=2)
+    path, candidates, draft_probs = dk.walk(*inputs, case.top_k, 1e-50, generator=torch.Generator())
+    assert draft_probs is None
+    assert torch.equal(path, dk.walk(*inputs, case.top_k, 0.0)[0])
+    with pytest.raises(ValueError, match="temperature"):
+        dk.walk(*inputs, case.top_k, 1e300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_module_walk_with_top_k_64(dtype):
+    """A selector that trains with top_k 64 serves with it too."""
+    torch.manual_seed(0)
+    selector = dk.CandidateSelector(300, 24, 16, 64).to(dtype)
+    with torch.no_grad():
+        selector.successor_codebook.normal_(std=0.5)
+        selector.predecessor_codebook.normal_(std=0.5)
+    hidden = torch.randn(2, 5, 24, dtype=dtype)
+    logits = torch.randn(2, 5, 300, dtype=dtype)
+    anchors = torch.tensor([3, 299])
+    with torch.no_grad():
+        path, candidates, probs = selector.walk(hidden, logits, anchors, 0.0)
+        projected = selector.hidden_projection(hidden)
+        expected = reference.serving_walk(projected, logits, anchors, selector.predecessor_codebook,
+                                          selector.successor_codebook, 64, 0.0)
+        edges, edge_candidates = selector.edge_scores(hidden, logits, anchors)
+        sampled, sampled_candidates, q = selector.walk(hidden, logits, anchors, 1.3,
+                                                       generator=torch.Generator().manual_seed(8))
+    assert probs is None and edges.shape == (2, 5, 64, 64) and edges.dtype == dtype
+    assert torch.equal(path, expected[0]) and torch.equal(candidates, expected[1])
+    assert torch.equal(edge_candidates, candidates) and torch.equal(path, walk_over_edges(edges, candidates))
+    uniforms = torch.rand(2, 5, generator=torch.Generator().manual_seed(8))
+    assert q.dtype == torch.float32 and q.shape == (2, 5, 64)
+    assert_sampled_walk_follows_its_edges(sampled, sampled_candidates, q, edges, uniforms, 1.3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", WIDE_VERIFY_CASES, ids=lambda c: c.id)
+def test_wide_rejection_sample_equals_reference_draw_by_draw(case, device):
+    """float64 probabilities: the reference in float64, from the generator's uniforms."""
+    tokens, target, proposal, candidates, _ = verify_inputs(case, device)
+    accepted, bonus = dk.rejection_sample(tokens, target, proposal, candidates,
+                                          generator=torch.Generator(device).manual_seed(7))
+    uniforms = torch.rand(case.batch, case.draft + 1, generator=torch.Generator(device).manual_seed(7),
+                          device=device)
+    expected_accepted, expected_bonus = reference.rejection_sample(tokens, target, proposal, candidates, uniforms)
+    assert accepted.dtype == bonus.dtype == torch.int64 and accepted.shape == bonus.shape == (case.batch,)
+    assert torch.equal(accepted, expected_accepted)
+    assert torch.equal(bonus, expected_bonus)
+    assert ((bonus >= 0) & (bonus < case.vocab)).all()
+    if case.proposal == "close":
+        assert (accepted == case.draft).any(), "no all-accepted block: the case does not test p_D"
+    if case.proposal == "covering":
+        assert (accepted < case.draft).any(), "no rejection: the case does not test the empty residual"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", VERIFY_CASES[1:5], ids=lambda c: c.id)
+def test_rejection_sample_draws_the_same_tokens_from_float64_probabilities(case, device):
+    """The same probabilities held in float64 (the reference) or float32 (the kernels):
+    one generator state, the same draws."""
+    tokens, target, proposal, candidates, _ = verify_inputs(case, device)
+    got = dk.rejection_sample(tokens, target, proposal, candidates, generator=torch.Generator(device).manual_seed(2))
+    wide = dk.rejection_sample(tokens, target.double(), proposal.double(), candidates,
+                               generator=torch.Generator(device).manual_seed(2))
+    assert torch.equal(got[0], wide[0]) and torch.equal(got[1], wide[1])
+
+
+def test_rejection_sample_beyond_the_kernels_vocabulary():
+    """V > 4,194,304: the raw op refuses it, the public function runs the reference."""
+    vocab = (1 << 22) + 1
+    batch, draft, top_k = 3, 1, 4
+    target = torch.zeros(batch, draft + 1, vocab)
+    target[:, :, [5, vocab - 2, vocab - 1]] = torch.tensor([0.25, 0.25, 0.5])
+    candidates = torch.tensor([5, vocab - 1, 9, 11]).expand(batch, draft, top_k).contiguous()
+    proposal = torch.tensor([0.1, 0.6, 0.2, 0.1]).expand(batch, draft, top_k).contiguous()
+    tokens = torch.tensor([[vocab - 1], [9], [5]])
+    accepted, bonus = dk.rejection_sample(tokens, target, proposal, candidates,
+                                          generator=torch.Generator().manual_seed(4))
+    uniforms = torch.rand(batch, draft + 1, generator=torch.Generator().manual_seed(4))
+    expected = reference.rejection_sample(tokens, target, proposal, candidates, uniforms)
+    assert torch.equal(accepted, expected[0]) and torch.equal(bonus, expected[1])
+    assert accepted[1] == 0 and bonus[1] in (5, vocab - 2, vocab - 1)  # token 9 has no target mass
+    if has_kernel("rejection_sample", "cpu"):
+        with pytest.raises(ValueError, match="vocabulary of 1 to 4194304"):
+            torch.ops.dflash2.rejection_sample(tokens, target, proposal, candidates, uniforms)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("which, bad_id", [(0, -1), (0, 300), (3, 10**6), (3, -5)])
+def test_wide_rejection_sample_out_of_range_ids_raise_on_cpu(which, bad_id, backend, monkeypatch):
+    monkeypatch.setenv("DFLASH2_BACKEND", backend)
+    args = list(verify_inputs(WIDE_VERIFY_CASES[4], "cpu")[:4])
+    args[which] = args[which].clone()
+    args[which].view(-1)[1] = bad_id
+    name = "draft_tokens" if which == 0 else "candidate_ids"
+    with pytest.raises(IndexError, match=re.escape(f"{name} holds {bad_id} at flat index 1, out of range for a "
+                                                   "vocabulary of 300")):
+        dk.rejection_sample(*args)
+
+
+def test_reference_gives_out_of_range_verify_ids_the_cuda_kernels_rule():
+    """A draft token outside [0, V) has no target mass (never accepted); a candidate
+    outside it takes no mass off the residual (it is ignored)."""
+    tokens, target, proposal, candidates, uniforms = verify_inputs(VerifyCase(32, 3, 40, 6, F64, "close"), "cpu")
+    bad_tokens = tokens.clone()
+    bad_tokens[:, 0] = torch.tensor([-1, 40] * 16)
+    accepted, bonus = reference.rejection_sample(bad_tokens, target, proposal, candidates, uniforms)
+    assert (accepted == 0).all() and ((bonus >= 0) & (bonus < 40)).all()
+    bad_candidates = candidates.clone()
+    bad_candidates[:, :, -1] = 10**6
+    accepted, bonus = reference.rejection_sample(tokens, target, proposal, bad_candidates, uniforms)
+    trimmed = reference.rejection_sample(tokens, target, proposal[..., :-1], candidates[..., :-1], uniforms)
+    assert torch.equal(accepted, trimmed[0]) and torch.equal(bonus, trimmed[1])
+
+
+@pytest.mark.gpu
+def test_wide_rejection_sample_out_of_range_draft_token_on_cuda_is_never_accepted():
+    tokens, target, proposal, candidates, _ = verify_inputs(WIDE_VERIFY_CASES[0], "cuda", seed=3)
+    tokens = tokens.clone()
+    tokens[:, 0] = torch.tensor([-1, WIDE_VERIFY_CASES[0].vocab] * (tokens.shape[0] // 2), device="cuda")
+    accepted, bonus = dk.rejection_sample(tokens, target, proposal, candidates)
+    assert (accepted == 0).all() and (bonus >= 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_verify_in_float64(device):
+    """The argmax is taken in float64: 1 + 1e-12 beats 1 (a tie, to the lower index, in float32)."""
+    logits = torch.full((2, 3, 6), -1.0, dtype=torch.float64, device=device)
+    logits[:, :, 1] = 1.0
+    logits[:, :, 4] = 1.0 + 1e-12
+    logits[1, 1, 2] = 5.0
+    draft = torch.tensor([[4, 4], [4, 4]], device=device)
+    accepted, bonus = dk.greedy_verify(draft, logits)
+    assert accepted.tolist() == [2, 1] and bonus.tolist() == [4, 2]
+    expected = reference.greedy_verify(draft, logits)
+    assert torch.equal(accepted, expected[0]) and torch.equal(bonus, expected[1])
+    accepted32, bonus32 = dk.greedy_verify(draft, logits.float())
+    assert accepted32.tolist() == [0, 0] and bonus32.tolist() == [1, 1]
+    ties = torch.zeros(1, 2, 5, dtype=torch.float64, device=device)  # all tied: torch.argmax's first index
+    assert dk.greedy_verify(torch.tensor([[0]], device=device), ties)[1].tolist() == [0]
+
+
+def test_wide_walk_and_verify_compile_fullgraph():
+    projected, logits, anchors, a, b = block_inputs(BlockCase(2, 4, 500, 16, 48), "cpu")
+
+    def serve(projected, logits, anchors, target):
+        path, candidates, _ = dk.walk(projected, logits, anchors, a, b, 48, 0.0)
+        one_hot = (candidates == path.unsqueeze(-1)).double()
+        return path, dk.rejection_sample(path, target, one_hot, candidates)
+
+    target = torch.softmax(torch.randn(2, 5, 500, dtype=torch.float64), -1)
     compiled = torch.compile(serve, fullgraph=True, backend="aot_eager")
     path, (accepted, bonus) = compiled(projected, logits, anchors, target)
     assert torch.equal(path, serve(projected, logits, anchors, target)[0])

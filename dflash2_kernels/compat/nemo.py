@@ -231,20 +231,12 @@ class CandidateSelector(modules.CandidateSelector):
         walks greedily there too); otherwise each step samples from
         softmax(scores.float() / temperature), drawing from ``generator`` (NeMo draws
         from the global generator with torch.multinomial: same distribution, other
-        draws). float64 selectors, which the serving kernels do not take, walk the
-        pure-PyTorch reference.
+        draws).
         """
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
             raise TypeError(f"temperature must be a float, got {type(temperature).__name__}.")
         temperature = float(temperature) if temperature >= GREEDY_TEMPERATURE_EPS else 0.0
-        dtypes = {getattr(hidden, "dtype", None), getattr(logits, "dtype", None), self.predecessor_codebook.dtype}
-        if torch.float64 not in dtypes:
-            return super().walk(hidden, logits, anchor_ids, temperature, generator=generator)
-        batch, draft = logits.shape[:2]
-        draws = torch.rand(batch, draft, generator=generator, device=logits.device) if temperature else None
-        return reference.serving_walk(self._project(hidden, "hidden"), logits, anchor_ids,
-                                      self.predecessor_codebook, self.successor_codebook, self.top_k,
-                                      temperature, draws)
+        return super().walk(hidden, logits, anchor_ids, temperature, generator=generator)
 
 
 def dflash2_rejection_sample(
@@ -274,9 +266,6 @@ def dflash2_rejection_sample(
     if isinstance(draft_tokens, torch.Tensor) and draft_tokens.dim() == 2 and draft_tokens.shape[0] != 1:
         raise ValueError(f"draft_tokens must be [1, D] (one sequence, as NeMo), got {tuple(draft_tokens.shape)}; "
                          "dflash2_kernels.rejection_sample takes a batch.")
-    # NeMo takes any float dtype; the kernels take up to float32, plenty for sampling.
-    target_probs, draft_probs = (t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
-                                 for t in (target_probs, draft_probs))
     accepted, bonus = rejection_sample(draft_tokens, target_probs, draft_probs, candidate_ids, generator=generator)
     count, token = torch.stack([accepted[0], bonus[0]]).tolist()
     if token < 0:

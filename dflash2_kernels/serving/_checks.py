@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
-SERVING_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# What the compiled serving ops (torch.ops.dflash2.candidate_topk, select_path,
+# rejection_sample) read; the public functions take float64 too, on the reference.
+KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+SERVING_FLOATS = (*KERNEL_FLOATS, torch.float64)
 
 
 def require_tensor(name: str, value, *, dim: int | None = None, floats: tuple | None = None,
@@ -37,6 +42,40 @@ def require_generator(generator, device: torch.device) -> None:
         raise ValueError(f"generator is on {generator.device} but the tensors are on {device}.")
 
 
+def require_ids_in_range(name: str, ids: torch.Tensor, vocab: int) -> None:
+    """IndexError naming ``name`` for an id outside [0, vocab), on CPU tensors, as the
+    C++ CPU kernels raise it. Elsewhere nothing is read here (a CUDA tensor would need a
+    host synchronisation; the reference gives such ids the CUDA kernels' rule instead),
+    nor while torch.compile traces."""
+    if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    flat = ids.reshape(-1)
+    bad = ((flat < 0) | (flat >= vocab)).nonzero()
+    if bad.numel():
+        index = int(bad[0])
+        raise IndexError(f"{name} holds {int(flat[index])} at flat index {index}, out of range for a vocabulary "
+                         f"of {vocab}.")
+
+
+def kernel_temperature(temperature) -> float:
+    """The temperature as the kernels take it, a float32 (returned as a Python float):
+    greedy versus sampled is decided from that value on every path, so a positive
+    temperature that rounds to 0 walks greedily everywhere. TypeError / ValueError
+    naming ``temperature`` unless it is a real number, finite and >= 0 as a float32."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}.")
+    try:
+        value = struct.unpack("f", struct.pack("f", temperature))[0]
+    except OverflowError:  # beyond float32's range
+        value = float("inf")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0 as a float32 (0 selects greedily), "
+                         f"got {temperature}.")
+    return value
+
+
 def uniforms(shape: tuple[int, ...], device: torch.device, generator) -> torch.Tensor:
-    """The draws' uniforms in [0, 1): one torch.rand launch, capturable in a CUDA graph."""
+    """The draws' uniforms in [0, 1): one torch.rand launch, capturable in a CUDA graph.
+    Every path (kernels and reference) draws them here, the same way, so a fixed
+    generator state gives the same tokens on each."""
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)

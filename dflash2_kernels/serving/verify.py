@@ -6,6 +6,11 @@ On CUDA the rejection sampling is two kernels plus one ``torch.rand``: a split-v
 pass that finds each sequence's accepted prefix and the mass of its bonus distribution
 per slice, then one block per sequence that draws the bonus inside the slice holding
 it. No host synchronisation: it captures in a CUDA graph.
+
+The kernels take float16, bfloat16 or float32 target probabilities and vocabularies of
+up to 4,194,304 tokens (the CUDA bonus pass keeps one mass per 4,096-token slice in
+shared memory); float64 probabilities and larger vocabularies run the PyTorch
+reference (in float64, from the same uniforms, so the same draws), also sync-free.
 """
 
 from __future__ import annotations
@@ -16,9 +21,21 @@ from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend
 from .._extension import EXTENSION_LOADED, has_kernel
-from ._checks import SERVING_FLOATS, require_generator, require_one_device, require_tensor, uniforms
+from ._checks import (
+    KERNEL_FLOATS,
+    SERVING_FLOATS,
+    require_generator,
+    require_ids_in_range,
+    require_one_device,
+    require_tensor,
+    uniforms,
+)
 
 __all__ = ["greedy_verify", "rejection_sample"]
+
+# The largest vocabulary the rejection_sample kernels take (kMaxVerifyVocab in
+# csrc/kernels/serving_math.h); a larger one runs the reference.
+MAX_KERNEL_VOCAB = 1 << 22
 
 
 if EXTENSION_LOADED:
@@ -67,19 +84,27 @@ def rejection_sample(
     """Accept a prefix of each drafted block and draw the token after it, losslessly.
 
     draft_tokens: [B, D] int (the walk's path); target_probs: [B, D+1, V] float16,
-    bfloat16 or float32 (the verifier's next-token distributions); draft_probs: [B, D, k]
-    (the walk's proposal q, supported on candidate_ids); candidate_ids: [B, D, k] int.
-    Returns (accepted [B] int64, bonus [B] int64): d_t is kept while u_t * q_t(d_t) <
-    p_t(d_t); the bonus is drawn from normalize(max(p_a - q_a, 0)) at the first
-    rejection a (from p_a when that has no mass) or from p_D when all D are accepted, so
-    the emitted tokens follow the verifier's distribution exactly. Token ids outside
-    [0, V) raise IndexError on CPU; on CUDA such a draft token is never accepted.
+    bfloat16, float32 or float64 (the verifier's next-token distributions), any V;
+    draft_probs: [B, D, k] float (the walk's proposal q, supported on candidate_ids);
+    candidate_ids: [B, D, k] int, any k. Returns (accepted [B] int64, bonus [B] int64):
+    d_t is kept while u_t * q_t(d_t) < p_t(d_t); the bonus is drawn from
+    normalize(max(p_a - q_a, 0)) at the first rejection a (from p_a when that has no
+    mass) or from p_D when all D are accepted, so the emitted tokens follow the
+    verifier's distribution exactly. Float64 probabilities (either) or V > 4,194,304
+    run the reference, in float64. Token ids outside [0, V) raise IndexError on CPU; on
+    CUDA such a draft token is never accepted (and such a candidate takes no mass off
+    the residual).
     """
     _validate(draft_tokens, target_probs, draft_probs, candidate_ids)
     require_generator(generator, draft_tokens.device)
     batch, draft = draft_tokens.shape
     draws = uniforms((batch, draft + 1), draft_tokens.device, generator)
-    if selected_backend() == "reference" or not has_kernel("rejection_sample", draft_tokens.device.type):
+    vocab = target_probs.shape[2]
+    if (selected_backend() == "reference" or not has_kernel("rejection_sample", draft_tokens.device.type)
+            or target_probs.dtype not in KERNEL_FLOATS or draft_probs.dtype not in KERNEL_FLOATS
+            or vocab > MAX_KERNEL_VOCAB):
+        require_ids_in_range("draft_tokens", draft_tokens, vocab)
+        require_ids_in_range("candidate_ids", candidate_ids, vocab)
         return reference.rejection_sample(draft_tokens, target_probs, draft_probs, candidate_ids, draws)
     return torch.ops.dflash2.rejection_sample(
         draft_tokens.long().contiguous(),
@@ -93,9 +118,11 @@ def rejection_sample(
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: the longest prefix with d_t == argmax p_t, and argmax p_a.
 
-    draft_tokens: [B, D] int; target_logits: [B, D+1, V] float (logits or probabilities:
-    only the argmax matters). Returns (accepted [B] int64, bonus [B] int64). Two small
-    reductions after one argmax; no host synchronisation.
+    draft_tokens: [B, D] int; target_logits: [B, D+1, V] float16, bfloat16, float32 or
+    float64 (logits or probabilities: only the argmax matters, taken in their dtype, ties
+    to the lower index as torch.argmax). Returns (accepted [B] int64, bonus [B] int64).
+    Two small reductions after one argmax; no host synchronisation. A draft token
+    outside [0, V) is never the argmax: it is rejected, not an error.
     """
     require_tensor("draft_tokens", draft_tokens, dim=2, integer=True)
     require_tensor("target_logits", target_logits, dim=3, floats=reference.SUPPORTED_DTYPES)

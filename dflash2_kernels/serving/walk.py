@@ -5,8 +5,13 @@ csrc/serving_cpu.cpp and csrc/kernels/serving_*.cu).
 On CUDA one drafted block is two kernels (a split-row top-k, then per position the
 merge, the edge scores and, in the last block of each sequence, the walk) plus one
 ``torch.rand`` for a sampled walk: no host synchronisation, so it captures in a CUDA
-graph. Without the compiled extension, or with DFLASH2_BACKEND=reference, the PyTorch
-reference runs instead.
+graph. The kernels take k <= 32 (one warp lane per candidate) and float16, bfloat16 or
+float32; every other k in [1, V], any float64 input, a build without the compiled
+extension and DFLASH2_BACKEND=reference run the PyTorch reference
+(``dflash2_kernels.reference``) instead, with the same semantics: the same uniforms
+drawn the same way, greedy ties as torch.argmax, the same output dtypes and shapes.
+On CUDA that path is sync-free too (an out-of-range anchor gets the kernels' NaN/-1
+rule there); on CPU it raises IndexError for one, as the kernels do.
 """
 
 from __future__ import annotations
@@ -17,10 +22,20 @@ from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend
 from .._extension import EXTENSION_LOADED, has_kernel
-from ._checks import SERVING_FLOATS, require_generator, require_one_device, require_tensor, uniforms
+from ._checks import (
+    KERNEL_FLOATS,
+    SERVING_FLOATS,
+    kernel_temperature,
+    require_generator,
+    require_ids_in_range,
+    require_one_device,
+    require_tensor,
+    uniforms,
+)
 
 __all__ = ["candidate_topk", "edge_scores", "walk"]
 
+# The largest k the kernels take (one warp lane per candidate); a larger k runs the reference.
 MAX_TOP_K = 32
 
 
@@ -54,15 +69,18 @@ if EXTENSION_LOADED:
         )
 
 
-def _use_kernel(op_name: str, device: torch.device) -> bool:
-    return selected_backend() != "reference" and has_kernel(op_name, device.type)
+def _use_kernel(op_name: str, device: torch.device, top_k: int, *tensors: torch.Tensor) -> bool:
+    """Whether the compiled op runs: it is built for the device, not switched off, and
+    the call is within what it takes (k <= 32, no float64)."""
+    return (top_k <= MAX_TOP_K and all(t.dtype in KERNEL_FLOATS for t in tensors)
+            and selected_backend() != "reference" and has_kernel(op_name, device.type))
 
 
 def _check_top_k(top_k, vocab: int) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, (int, torch.SymInt)):
         raise TypeError(f"top_k must be an int, got {type(top_k).__name__}.")
-    if not 1 <= top_k <= min(vocab, MAX_TOP_K):
-        raise ValueError(f"top_k must be in [1, min(vocab_size={vocab}, {MAX_TOP_K})], got {top_k}.")
+    if not 1 <= top_k <= vocab:
+        raise ValueError(f"top_k must be in [1, vocab_size={vocab}], got {top_k}.")
 
 
 def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,17 +88,18 @@ def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def candidate_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k <= 32 largest logits of each row, sorted descending.
+    """The k largest logits of each row, sorted descending, for any k in [1, V].
 
-    logits: [..., V] float16, bfloat16 or float32. Returns (values [..., k] in logits'
-    dtype, ids [..., k] int64). The values equal ``torch.topk``'s (NaN ranks above
-    +inf); tied values may come in either index order.
+    logits: [..., V] float16, bfloat16, float32 or float64. Returns (values [..., k] in
+    logits' dtype, ids [..., k] int64). The values equal ``torch.topk``'s (NaN ranks
+    above +inf); tied values may come in either index order. k <= 32 in float16,
+    bfloat16 or float32 runs the fused kernel; the rest is ``torch.topk``.
     """
     require_tensor("logits", logits, floats=SERVING_FLOATS)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}.")
     _check_top_k(top_k, logits.shape[-1])
-    if not _use_kernel("candidate_topk", logits.device):
+    if not _use_kernel("candidate_topk", logits.device, top_k, logits):
         return reference.candidate_topk(logits, top_k)
     lead = logits.shape[:-1]
     values, ids = torch.ops.dflash2.candidate_topk(_unit_last_stride(logits.reshape(-1, logits.shape[-1])), top_k)
@@ -99,8 +118,8 @@ def _validate_block(projected, logits, anchor_ids, predecessor_codebook, success
         raise ValueError(f"successor_codebook must have predecessor_codebook's shape "
                          f"{tuple(predecessor_codebook.shape)}, got {tuple(successor_codebook.shape)}.")
     if successor_codebook.dtype != predecessor_codebook.dtype:
-        raise TypeError(f"the codebooks must share a dtype, got {predecessor_codebook.dtype} and "
-                        f"{successor_codebook.dtype}.")
+        raise TypeError(f"successor_codebook must have predecessor_codebook's dtype {predecessor_codebook.dtype}, "
+                        f"got {successor_codebook.dtype}.")
     vocab, rank = predecessor_codebook.shape
     batch, draft, logits_vocab = logits.shape
     if logits_vocab != vocab or batch < 1 or draft < 1:
@@ -110,14 +129,6 @@ def _validate_block(projected, logits, anchor_ids, predecessor_codebook, success
     if anchor_ids.shape[0] != batch:
         raise ValueError(f"anchor_ids must be [B] = [{batch}], got {tuple(anchor_ids.shape)}.")
     _check_top_k(top_k, vocab)
-
-
-def _check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}.")
-    if not temperature >= 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be finite and >= 0 (0 selects greedily), got {temperature}.")
-    return float(temperature)
 
 
 def _select_path(projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k, temperature,
@@ -138,6 +149,10 @@ def _select_path(projected, logits, anchor_ids, predecessor_codebook, successor_
     )
 
 
+def _on_kernels(projected, logits, predecessor_codebook, top_k) -> bool:
+    return _use_kernel("select_path", logits.device, top_k, logits, projected, predecessor_codebook)
+
+
 def edge_scores(
     projected: torch.Tensor,
     logits: torch.Tensor,
@@ -148,17 +163,22 @@ def edge_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every adjacent pair's score for one drafted block (SPEC section 2).
 
-    projected: [B, D, r] (P = hidden_projection(h)); logits: [B, D, V] float16, bfloat16
-    or float32; anchor_ids: [B] int (the last verified token); codebooks: [V, r].
+    projected: [B, D, r] (P = hidden_projection(h)); logits: [B, D, V]; codebooks:
+    [V, r] (float16, bfloat16, float32 or float64 each, the codebooks one dtype);
+    anchor_ids: [B] int (the last verified token); top_k: any k in [1, V].
     Returns (edges [B, D, k, k], candidate_ids [B, D, k] int64) with
     ``edges[b, t, i, j] = U[b, t, j] + T(prev_i, cand[b, t, j])``: prev is cand[b, t-1]
     for t > 0 and the anchor for t = 0 (so every row i of edges[b, 0] is the anchor's).
-    Edges are in ``promote_types(logits, promote_types(codebooks, projected))``,
-    computed in fp32 and rounded once. An anchor id outside [0, V) raises IndexError on
-    CPU; on CUDA (no host sync) its sequence's edges come out NaN.
+    Edges are in ``promote_types(logits, promote_types(codebooks, projected))``: on the
+    kernels (k <= 32, no float64) computed in fp32 and rounded once; otherwise by the
+    reference, in NeMo's arithmetic (T in promote_types(codebooks, projected), added to
+    U in the edges' dtype: float64 inputs are computed in float64). An anchor id outside
+    [0, V) raises IndexError on CPU; on CUDA (no host sync) its sequence's edges at t = 0
+    come out NaN.
     """
     _validate_block(projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k)
-    if not _use_kernel("select_path", logits.device):
+    if not _on_kernels(projected, logits, predecessor_codebook, top_k):
+        require_ids_in_range("anchor_ids", anchor_ids, predecessor_codebook.shape[0])
         edges, candidate_ids = reference.serving_edge_scores(
             projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k)
         return edges.to(reference.serving_score_dtype(logits, projected, predecessor_codebook)), candidate_ids
@@ -181,24 +201,28 @@ def walk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Trace one coherent path through a drafted block's candidates (NeMo's walk).
 
-    Arguments as :func:`edge_scores`, plus temperature (0 walks greedily) and the
-    generator of the sampled walk's uniforms. Returns (path [B, D] int64,
-    candidate_ids [B, D, k] int64, draft_probs [B, D, k] float32 or None when greedy).
-    Greedy: j_0 = argmax_j E[b, 0, 0, j], then j_t = argmax_j E[b, t, j_{t-1}, j] on
-    the rounded scores (first maximum wins, as torch.argmax). Sampled: each step draws
-    from q = softmax(E[b, t, j_{t-1}, :].float() / T), and draft_probs holds those q:
-    the proposal :func:`rejection_sample` needs to stay lossless. On CUDA a sequence
-    whose anchor id is outside [0, V) gets path -1 (CPU raises IndexError).
+    Arguments as :func:`edge_scores` (any k in [1, V], float64 included), plus
+    temperature (0 walks greedily; taken as a float32, as the kernels take it, so one
+    that rounds to 0 is greedy) and the generator of the sampled walk's uniforms.
+    Returns (path [B, D] int64, candidate_ids [B, D, k] int64, draft_probs [B, D, k]
+    float32 or None when greedy). Greedy: j_0 = argmax_j E[b, 0, 0, j], then
+    j_t = argmax_j E[b, t, j_{t-1}, j] on the rounded scores (first maximum wins, as
+    torch.argmax). Sampled: each step draws from q = softmax(E[b, t, j_{t-1}, :].float() / T)
+    by inverse CDF at one ``torch.rand`` uniform per step (drawn the same way whichever
+    path runs), and draft_probs holds those q: the proposal :func:`rejection_sample`
+    needs to stay lossless. On CUDA a sequence whose anchor id is outside [0, V) gets
+    path -1 (CPU raises IndexError).
     """
     _validate_block(projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k)
-    temperature = _check_temperature(temperature)
+    temperature = kernel_temperature(temperature)
     require_generator(generator, logits.device)
     batch, draft = logits.shape[:2]
     draws = (uniforms((batch, draft), logits.device, generator) if temperature > 0
              else logits.new_empty(0, dtype=torch.float32))
-    if not _use_kernel("select_path", logits.device):
+    if not _on_kernels(projected, logits, predecessor_codebook, top_k):
+        require_ids_in_range("anchor_ids", anchor_ids, predecessor_codebook.shape[0])
         return reference.serving_walk(projected, logits, anchor_ids, predecessor_codebook, successor_codebook,
-                                      top_k, temperature, draws)
+                                      top_k, temperature, draws if temperature > 0 else None)
     path, candidate_ids, draft_probs, _ = _select_path(
         projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k, temperature, draws)
     return path, candidate_ids, draft_probs if temperature > 0 else None
