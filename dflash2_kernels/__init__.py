@@ -6,12 +6,17 @@ candidate selector's :class:`CandidateSelector` and its functional forms
 :func:`score_candidates`, :func:`transition_scores` and :func:`pair_scores`; the
 serving path's :func:`candidate_topk`, :func:`edge_scores`, :func:`walk` (also
 ``CandidateSelector.walk``), :func:`rejection_sample` and :func:`greedy_verify`.
+
+Patching upstream: :func:`patch` / :func:`unpatch` swap ours into one speculators or
+NeMo draft model in place (sharing its Parameters); :func:`patch_speculators`,
+:func:`patch_nemo` and their ``unpatch_*`` install ours in the upstream packages.
 """
 
 from . import _extension  # registers the compiled ops before anything uses them
 from . import compat, reference
 from .conv import grouped_dynamic_conv
 from .modules import CandidateSelector, GroupedDynamicCausalConv
+from .compat.patch import patch, patch_nemo, patch_speculators, unpatch, unpatch_nemo, unpatch_speculators
 from .selector import pair_scores, score_candidates, transition_scores
 from .serving import candidate_topk, edge_scores, greedy_verify, rejection_sample, walk
 
@@ -27,9 +32,15 @@ __all__ = [
     "greedy_verify",
     "grouped_dynamic_conv",
     "pair_scores",
+    "patch",
+    "patch_nemo",
+    "patch_speculators",
     "reference",
     "rejection_sample",
     "score_candidates",
     "transition_scores",
+    "unpatch",
+    "unpatch_nemo",
+    "unpatch_speculators",
     "walk",
 ]

@@ -48,6 +48,36 @@ def check_hidden(name: str, hidden, weight: torch.Tensor) -> None:
                         "(cast one of them, or run under torch.autocast).")
 
 
+def _upstream_parameter(module: nn.Module, name: str) -> nn.Parameter:
+    """``module.<name>`` (a dotted path), which must be an ``nn.Parameter``: ours will hold
+    that very object, so an optimizer and a checkpoint see no change."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    value = getattr(owner, leaf, None)
+    if not isinstance(value, nn.Parameter):
+        raise TypeError(f"the upstream module's {name} must be an nn.Parameter, got {type(value).__name__}.")
+    return value
+
+
+def _upstream_linear_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> nn.Parameter:
+    """The weight of the upstream ``nn.Linear(bias=False)`` at ``module.<name>``, of ``shape``."""
+    linear = getattr(module, name, None)
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        raise TypeError(f"the upstream module's {name} must be an nn.Linear without bias, got {linear!r}.")
+    weight = _upstream_parameter(linear, "weight")
+    if tuple(weight.shape) != shape:
+        raise ValueError(f"the upstream module's {name}.weight must have shape {shape}, got {tuple(weight.shape)}.")
+    return weight
+
+
+def _upstream_sizes(module: nn.Module, *names: str) -> dict:
+    """The size attributes ``names`` of an upstream module (ValueError naming a missing one)."""
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"the upstream module {type(module).__name__} has no {', '.join(missing)} attribute.")
+    return {name: getattr(module, name) for name in names}
+
+
 class GroupedDynamicCausalConv(nn.Module):
     """speculators' ``GroupedDynamicCausalConv`` on the fused kernels.
 
@@ -71,6 +101,37 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
         self.reset_parameters()
+
+    @classmethod
+    def from_upstream(cls, module: nn.Module) -> GroupedDynamicCausalConv:
+        """Ours around a speculators ``GroupedDynamicCausalConv``'s own parameters.
+
+        ``module`` needs ``base_kernel`` [2, K, H], ``kernel_projection`` (an
+        ``nn.Linear(H, 2*K*G, bias=False)``) and the ints ``block_size``,
+        ``kernel_size``, ``group_size`` (and ``num_groups`` = H / group_size where it
+        has one). The result holds the very same Parameter objects (no copy, any
+        dtype and device: the weights are never touched, no random numbers are drawn)
+        and the same attributes and training flag; hooks on ``module`` do not carry
+        over. Errors (TypeError / ValueError) name the attribute at fault.
+        """
+        base = _upstream_parameter(module, "base_kernel")
+        sizes = _upstream_sizes(module, "block_size", "kernel_size", "group_size")
+        if base.dim() != 3 or base.shape[0] != 2 or base.shape[1] != sizes["kernel_size"]:
+            raise ValueError(f"the upstream module's base_kernel must have shape [2, kernel_size="
+                             f"{sizes['kernel_size']}, hidden_size], got {tuple(base.shape)}.")
+        hidden_size = base.shape[2]
+        # On the meta device the constructor's placeholders cost no memory and draw no
+        # random numbers; it also checks the sizes with speculators' messages.
+        with torch.device("meta"):
+            conv = cls(hidden_size, **sizes)
+        if getattr(module, "num_groups", conv.num_groups) != conv.num_groups:
+            raise ValueError(f"the upstream module's num_groups must be hidden_size / group_size = "
+                             f"{conv.num_groups}, got {module.num_groups}.")
+        conv.kernel_projection.weight = _upstream_linear_weight(
+            module, "kernel_projection", (2 * conv.kernel_size * conv.num_groups, hidden_size)
+        )
+        conv.base_kernel = base
+        return conv.train(module.training)
 
     def reset_parameters(self) -> None:
         """Make both convolutions the identity: unit tap 0, zero projection."""
@@ -137,6 +198,36 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
         self.reset_parameters()
+
+    @classmethod
+    def from_upstream(cls, module: nn.Module) -> CandidateSelector:
+        """Ours around a speculators ``CandidateSelector``'s own parameters.
+
+        ``module`` needs ``predecessor_codebook`` and ``successor_codebook`` [V, r],
+        ``hidden_projection`` (an ``nn.Linear(H, r, bias=False)``) and the int
+        ``top_k``. The result holds the very same Parameter objects (no copy, no random
+        numbers drawn), ``top_k`` and the training flag; ``initializer_range`` (which
+        speculators uses once, in its constructor, and does not keep) is the module's
+        where it has one, else 0.02, speculators' default. Hooks on ``module`` do not
+        carry over. Errors (TypeError / ValueError) name the attribute at fault.
+        """
+        predecessor = _upstream_parameter(module, "predecessor_codebook")
+        successor = _upstream_parameter(module, "successor_codebook")
+        if predecessor.dim() != 2 or successor.shape != predecessor.shape:
+            raise ValueError("the upstream module's predecessor_codebook and successor_codebook must both be "
+                             f"[vocab_size, rank], got {tuple(predecessor.shape)} and {tuple(successor.shape)}.")
+        vocab_size, rank = predecessor.shape
+        projection = getattr(module, "hidden_projection", None)
+        hidden_size = getattr(projection, "in_features", None)
+        weight = _upstream_linear_weight(module, "hidden_projection", (rank, hidden_size))
+        top_k = _upstream_sizes(module, "top_k")["top_k"]
+        with torch.device("meta"):  # placeholders: no memory, no random numbers drawn
+            selector = cls(vocab_size, hidden_size, rank, top_k,
+                           initializer_range=getattr(module, "initializer_range", 0.02))
+        selector.hidden_projection.weight = weight
+        selector.predecessor_codebook = predecessor
+        selector.successor_codebook = successor
+        return selector.train(module.training)
 
     def reset_parameters(self) -> None:
         """speculators' initialisation: every parameter ~ N(0, initializer_range)."""
