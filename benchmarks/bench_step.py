@@ -1,0 +1,422 @@
+"""Benchmark whole steps, upstream against patched: a speculators training step and a NeMo
+Automodel serving step, before and after ``dk.patch`` of the same model.
+
+    python benchmarks/bench_step.py [--out results.jsonl] [--no-compile] [--quick]
+                                    [--full] [--layers N]
+
+    --full       on CPU, the real shapes below (fp32 there: tens of GB, slow)
+    --layers N   draft layers (default 2)
+    --no-compile on CUDA, run speculators' forward eagerly (speculators wraps it in
+                 torch.compile whenever CUDA is available: both sides then run compiled)
+    --quick      the training step only
+
+What runs (one model per step, switched between the two sides in place by
+``dk.patch(model)`` / ``dk.unpatch(model)``, which keep the very Parameters and so the
+optimizer; the sides' steps are timed in turns, then their memory measured):
+
+- train: ``DFlash2DraftModel.forward`` (speculators 0.9.0's real training forward:
+  anchors, the draft layers with their 4 convs each, the LM head, the verifier's
+  targets, the selector's ``score_candidates``, KL unary loss + selector K-way
+  cross-entropy), backward, AdamW step, zero_grad. One packed sequence of T verifier
+  tokens with A anchors of L = 8 rows (A * L draft rows). Upstream: speculators'
+  PyTorch conv and selector.
+- serve greedy / serve sampled: one drafted block for each of B requests with NeMo's
+  ``Qwen3DFlash2DraftModel``: embed ``[anchor, MASK x 7]``, the draft forward over C
+  new context features + the block (no KV cache: both sides alike), the head -> draft
+  logits [B, 7, V], ``candidate_selector.walk`` (T = 0 / T = 1), then verification
+  against stand-in target distributions [B, 8, V] (the target's forward is not
+  timed: it is the same with or without this package). Upstream greedy: the
+  longest-prefix-equal-to-argmax rule of NeMo's ``spec_generate``, batched; upstream
+  sampled: NeMo's ``dflash2_rejection_sample``, which takes one request, in a loop
+  (``.item()`` per request, as spec_generate does). Ours: the patched walk, then
+  ``dk.greedy_verify`` / ``dk.rejection_sample`` on the whole batch.
+
+Time: median (p20, p80) ms per step after 2 warm-up steps per side, the two sides'
+steps taking turns so that a load change on a shared machine hits both alike (CUDA:
+events, after an L2 flush; CPU: perf_counter).
+
+Memory, "peak MiB": on CUDA ``torch.cuda.max_memory_allocated`` during one step minus
+what was allocated before it (the step's own peak: activations, gradients, optimizer
+temporaries, kernel scratch). On CPU, where torch's allocator keeps no statistics: the
+process's peak resident set during one step minus the resident set just before it
+(Linux VmHWM after resetting it), with glibc's mmap threshold fixed at 64 KiB and
+``malloc_trim`` before the step, so that every tensor over 64 KiB is its own mapping
+and the resident set follows live memory (repeat measurements agree to 0.1 MiB; with
+glibc's defaults they scatter by tens of MiB). It counts every page the step touched,
+kernel scratch and small heap allocations included, the same way for both sides.
+
+Shapes. Default on CPU (fp32): H 256 (4 heads of 64, 2 KV heads, MLP 768), V 8192,
+r 256, k 16, L 8, T 1024 tokens and A 64 anchors (512 rows), 3 verifier layers of
+features; serving B 8, C 8. On CUDA or with --full (SPEC section 5; bf16 on CUDA):
+H 5120 (a Qwen3-style layer: 32 heads of 128, 8 KV heads, MLP 17408: the drafters'
+attention and MLP shapes are not in SPEC, and they cost both sides the same), V 248,320,
+r 256, k 16, L 8, T 4096 and A 512 (4096 rows); serving B 32, C 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dflash2_kernels as dk  # noqa: E402
+
+from common import Row, Timing, peak_extra_bytes, start_run, time_fn, write_records  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tokens: int  # T, verifier positions in the packed training sequence
+    anchors: int  # A; draft rows = A * block
+    requests: int  # B, serving
+    layers: int = 2
+    rank: int = 256
+    top_k: int = 16
+    block: int = 8
+    taps: int = 2
+    group: int = 16
+    aux_layers: int = 3  # verifier layers whose hidden states feed the draft
+    context: int = 8  # C, new context features per serving step
+
+    @property
+    def name(self) -> str:
+        return f"H{self.hidden} V{self.vocab} L{self.block} r{self.rank} k{self.top_k} x{self.layers} layers"
+
+
+CPU_SIZE = Size(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=8192, tokens=1024, anchors=64,
+                requests=8)
+FULL_SIZE = Size(hidden=5120, heads=32, kv_heads=8, head_dim=128, intermediate=17408, vocab=248_320, tokens=4096,
+                 anchors=512, requests=32)
+
+
+def _own_options() -> argparse.Namespace:
+    """This benchmark's flags, taken out of sys.argv before start_run parses the shared ones."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--layers", type=int)
+    own, rest = parser.parse_known_args()
+    sys.argv = sys.argv[:1] + rest
+    return own
+
+
+def qwen3_config(size: Size, layers: int):
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
+                         num_hidden_layers=layers, num_attention_heads=size.heads,
+                         num_key_value_heads=size.kv_heads, head_dim=size.head_dim,
+                         max_position_embeddings=2 * (size.tokens + size.anchors * size.block))
+    # SDPA with a dense mask on both sides (speculators' default, flex attention,
+    # compiles its block mask; NeMo's trainer chooses per backend).
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def steady_heap() -> None:
+    """On CPU, fix glibc's mmap threshold at 64 KiB (mallopt; it also stops glibc from
+    raising the threshold as large blocks are freed): every tensor over 64 KiB is then
+    its own mapping, unmapped when freed, so the resident set follows live memory
+    (repeat measurements agree to 0.1 MiB; with glibc's defaults they scatter by tens
+    of MiB). It slows large allocations, so it is set after all the timing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_bytes(fn, device: torch.device) -> int | None:
+    """common.peak_extra_bytes of one more call of ``fn`` (after one unmeasured call:
+    a step run after a patch or unpatch may compile again first), with freed heap
+    memory handed back to the OS first on CPU."""
+    fn()
+    gc.collect()
+    if device.type == "cpu":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    return peak_extra_bytes(fn, device)
+
+
+# --- training: speculators ---------------------------------------------------------------
+
+
+def speculators_model(size: Size, device: torch.device, dtype: torch.dtype):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    config = DFlash2SpeculatorConfig(
+        transformer_layer_config=qwen3_config(size, size.layers),
+        draft_vocab_size=size.vocab,
+        block_size=size.block,
+        aux_hidden_state_layer_ids=list(range(size.aux_layers)),
+        mask_token_id=size.vocab - 1,
+        conv_kernel_size=size.taps,
+        conv_group_size=size.group,
+        selector_rank=size.rank,
+        selector_top_k=size.top_k,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash2",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=size.block - 1)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        ),
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DFlash2DraftModel(config)
+    with torch.no_grad():
+        # Verifier-owned (frozen) weights: NaN until load_verifier_weights; random here.
+        for weight in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
+            weight.normal_(std=size.hidden ** -0.5)
+        # Off the identity start, so the dynamic taps and transitions do real work.
+        for name, parameter in model.named_parameters():
+            if name.endswith("base_kernel"):
+                parameter.normal_(0.5, 0.2)
+            elif name.endswith("kernel_projection.weight"):
+                parameter.normal_(std=0.1 * size.hidden ** -0.5)
+    return model.to(dtype).train()
+
+
+def train_step_fn(model, size: Size, device: torch.device, dtype: torch.dtype, compiled: bool):
+    from speculators.models.dflash2 import DFlash2DraftModel
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = size.tokens
+    loss_mask = torch.ones(1, tokens, dtype=torch.long)
+    loss_mask[:, : size.block] = 0
+    batch = dict(
+        hidden_states=torch.randn(1, tokens, size.aux_layers * size.hidden, generator=generator).to(dtype),
+        input_ids=torch.randint(0, size.vocab - 1, (1, tokens), generator=generator),
+        loss_mask=loss_mask,
+        verifier_last_hidden_states=torch.randn(1, tokens, size.hidden, generator=generator).to(dtype),
+        document_ids=(torch.arange(tokens) >= tokens // 2).long().unsqueeze(0),
+    )
+    batch = {name: tensor.to(device) for name, tensor in batch.items()}
+    kwargs, _ = DFlash2DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager",
+                                                     max_anchors=size.anchors)
+    forward = model.forward
+    if not compiled:
+        # speculators decorated forward with torch.compile at import (when CUDA is up).
+        forward = getattr(type(model).forward, "_torchdynamo_orig_callable", type(model).forward).__get__(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def step():
+        torch.manual_seed(0)  # the same anchors every step, on both sides
+        _, loss, _ = forward(**batch, **kwargs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+# --- serving: NeMo ------------------------------------------------------------------------
+
+
+def nemo_draft(size: Size, device: torch.device, dtype: torch.dtype):
+    from nemo_automodel.components.speculative.dflash import draft_qwen3_dflash2
+
+    config = qwen3_config(size, size.layers)
+    config.num_target_layers = size.aux_layers + 1
+    config.block_size = size.block
+    config.dflash_config = {"block_size": size.block, "mask_token_id": size.vocab - 1,
+                            "target_layer_ids": list(range(size.aux_layers)), "conv_kernel_size": size.taps,
+                            "conv_group_size": size.group, "selector_rank": size.rank, "selector_top_k": size.top_k}
+    torch.manual_seed(0)
+    with torch.device(device):
+        draft = draft_qwen3_dflash2.Qwen3DFlash2DraftModel(config)
+    with torch.no_grad():
+        for name, parameter in draft.named_parameters():
+            if name.endswith("successor_codebook"):
+                parameter.normal_(std=0.02)  # NeMo starts it at zero: the walk would ignore it
+    return draft.to(dtype).eval()
+
+
+def serve_step_fns(draft, size: Size, device: torch.device, dtype: torch.dtype, ours: bool) -> dict:
+    """{"serve greedy": fn, "serve sampled": fn} for one drafted block of B requests."""
+    from nemo_automodel.components.speculative.dflash import draft_qwen3_dflash2
+
+    # Captured now: patch_nemo (not used here) would replace the module-level name.
+    upstream_rejection_sample = draft_qwen3_dflash2.dflash2_rejection_sample
+    generator = torch.Generator().manual_seed(1)
+    batch, block, draft_len = size.requests, size.block, size.block - 1
+    torch.manual_seed(1)
+    embed = nn.Embedding(size.vocab, size.hidden).to(device, dtype)
+    head = nn.Linear(size.hidden, size.vocab, bias=False).to(device, dtype)
+    anchors = torch.randint(0, size.vocab - 1, (batch,), generator=generator).to(device)
+    block_ids = torch.full((batch, block), size.vocab - 1, dtype=torch.long, device=device)
+    block_ids[:, 0] = anchors
+    features = torch.randn(batch, size.context, size.aux_layers * size.hidden, generator=generator).to(device, dtype)
+    position_ids = torch.arange(size.context + block, device=device).expand(batch, -1)
+    target_logits = (4 * torch.randn(batch, block, size.vocab, generator=generator)).to(device, dtype)
+    target_probs = torch.softmax(target_logits.float(), dim=-1)
+    selector = draft.candidate_selector
+
+    def drafted():
+        hidden = draft(position_ids=position_ids, noise_embedding=embed(block_ids), target_hidden=features)[:, 1:]
+        return hidden, draft.compute_logits(hidden, head)
+
+    @torch.inference_mode()
+    def greedy():
+        hidden, logits = drafted()
+        path, _, _ = selector.walk(hidden, logits, anchors, 0.0)
+        if ours:
+            return dk.greedy_verify(path, target_logits)
+        posterior = target_logits.argmax(-1)
+        accepted = (path == posterior[:, :-1]).cumprod(dim=1).sum(dim=1)
+        return accepted, posterior.gather(1, accepted[:, None])[:, 0]
+
+    @torch.inference_mode()
+    def sampled():
+        hidden, logits = drafted()
+        path, candidate_ids, draft_probs = selector.walk(hidden, logits, anchors, 1.0)
+        if ours:
+            return dk.rejection_sample(path, target_probs, draft_probs, candidate_ids)
+        results = [upstream_rejection_sample(path[b:b + 1], target_probs[b:b + 1], draft_probs[b:b + 1],
+                                             candidate_ids[b:b + 1]) for b in range(batch)]
+        return [accepted for accepted, _ in results], torch.stack([bonus for _, bonus in results])
+
+    return {"serve greedy": greedy, "serve sampled": sampled}
+
+
+# --- measuring and reporting --------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """One (case, implementation): how to run it, and a way back to it after another
+    side patched or unpatched the shared model."""
+
+    case: str
+    impl: str
+    fn: Callable[[], object]  # one whole step
+    restore: Callable[[], object]  # put the shared model in this side's state
+    timing: Timing | None = None
+    peak: int | None = None
+
+
+def _summary(samples_ms: list[float]) -> Timing:
+    ordered = sorted(samples_ms)
+
+    def quantile(q: float) -> float:  # common.py's rule
+        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+    return Timing(statistics.median(ordered), quantile(0.2), quantile(0.8))
+
+
+def time_interleaved(sides: list[Side], device: torch.device, reps: int, budget_s: float = 60.0) -> None:
+    """Time the sides of one case in turns (upstream, ours, upstream, ...; each after its
+    ``restore``), so that a load change on a shared machine hits both alike. Two
+    warm-up steps per side first (on CUDA the first one after a swap may compile)."""
+    for side in sides:
+        side.restore()
+        for _ in range(2):
+            side.fn()
+    samples: dict[int, list[float]] = {id(side): [] for side in sides}
+    deadline = time.perf_counter() + budget_s
+    for _ in range(reps):
+        for side in sides:
+            side.restore()
+            samples[id(side)].append(time_fn(side.fn, device, warmup=0, reps=1).median_ms)
+        if time.perf_counter() > deadline and len(samples[id(sides[0])]) >= 3:
+            break
+    for side in sides:
+        side.timing = _summary(samples[id(side)])
+        print(f"#   {side.case:28} {side.impl:9} {side.timing.median_ms:10.2f} ms", flush=True)
+
+
+def print_step_table(rows: list[Row]) -> None:
+    """Per case: upstream then ours, time and peak memory; "ours x" is upstream's median
+    over ours, "mem x" upstream's peak over ours."""
+    header = (f"{'case':28} {'impl':9} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'ours x':>7} "
+              f"{'peak MiB':>9} {'mem x':>6}")
+    print(header)
+    print("-" * len(header))
+    ours = {r.case: r for r in rows if r.impl == "ours"}
+    order = {impl: i for i, impl in enumerate(("upstream", "ours"))}
+    cases = list(dict.fromkeys(r.case for r in rows))
+    for r in sorted(rows, key=lambda r: (cases.index(r.case), order[r.impl])):
+        mine = ours.get(r.case)
+        speed = f"{r.timing.median_ms / mine.timing.median_ms:7.2f}" if mine and r is not mine else " " * 7
+        peak = r.extra.get("peak_extra_mib")
+        our_peak = mine.extra.get("peak_extra_mib") if mine else None
+        memory = f"{peak / our_peak:6.2f}" if r is not mine and peak and our_peak else " " * 6
+        peak_text = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
+        print(f"{r.case:28} {r.impl:9} {r.timing.median_ms:10.2f} {r.timing.p20_ms:9.2f} {r.timing.p80_ms:9.2f} "
+              f"{speed} {peak_text} {memory}")
+
+
+def main() -> None:
+    own = _own_options()
+    run = start_run(__doc__, quick_help="the training step only")
+    args, device = run.args, run.device
+    size = FULL_SIZE if device.type == "cuda" or own.full else CPU_SIZE
+    if own.layers:
+        size = replace(size, layers=own.layers)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compiled = device.type == "cuda" and not args.no_compile
+    reps = 10 if device.type == "cuda" else 5
+    print(f"# {size.name}, {str(dtype).removeprefix('torch.')}; train: T {size.tokens}, {size.anchors} anchors "
+          f"({size.anchors * size.block} rows){', speculators forward compiled' if compiled else ''}; "
+          f"serve: B {size.requests}, C {size.context}")
+    sides: list[Side] = []
+
+    # Timing first, every side; the memory afterwards (steady_heap slows allocations).
+    model = speculators_model(size, device, dtype)
+    case = f"train T{size.tokens} A{size.anchors}"
+    upstream = Side(case, "upstream", train_step_fn(model, size, device, dtype, compiled), lambda: dk.unpatch(model))
+    report = dk.patch(model)
+    assert len(report.replaced) == 2 * size.layers + 1, str(report)  # a conv module per sublayer, a selector
+    ours = Side(case, "ours", train_step_fn(model, size, device, dtype, compiled), lambda: dk.patch(model))
+    time_interleaved([upstream, ours], device, reps)
+    sides += [upstream, ours]
+
+    if not args.quick:
+        draft = nemo_draft(size, device, dtype)
+        # The step functions capture the selector they walk with, so build each side's
+        # while the draft is in that side's state.
+        upstream_fns = serve_step_fns(draft, size, device, dtype, ours=False)
+        report = dk.patch(draft)
+        assert len(report.replaced) == 2 * size.layers + 1, str(report)
+        ours_fns = serve_step_fns(draft, size, device, dtype, ours=True)
+        for name in upstream_fns:
+            pair = [Side(f"{name} B{size.requests}", "upstream", upstream_fns[name], lambda: dk.unpatch(draft)),
+                    Side(f"{name} B{size.requests}", "ours", ours_fns[name], lambda: dk.patch(draft))]
+            time_interleaved(pair, device, 5 * reps)
+            sides += pair
+
+    if device.type == "cpu":
+        steady_heap()
+    for side in sides:
+        side.restore()
+        side.peak = peak_bytes(side.fn, device)
+
+    rows = [Row("step", side.case, side.impl, side.timing, 0, run.copy_gbps,
+                {"peak_extra_mib": None if side.peak is None else side.peak / 2**20, "size": asdict(size)})
+            for side in sides]  # bytes 0: a whole step has no minimal-bytes roofline
+    print_step_table(rows)
+    write_records(rows, run.env, args.out)
+
+
+if __name__ == "__main__":
+    main()
