@@ -101,12 +101,26 @@ def check_context_ids(predecessor_ids, projected: torch.Tensor, predecessor_code
                          f"dims), got {tuple(predecessor_ids.shape)}.")
     if predecessor_ids.device != projected.device:
         raise ValueError(f"predecessor_ids is on {predecessor_ids.device} but hidden_states is on {projected.device}.")
-    vocab = predecessor_codebook.shape[0]
-    if predecessor_ids.numel() and not torch.compiler.is_compiling():
-        low, high = int(predecessor_ids.min()), int(predecessor_ids.max())
+    _check_ids_in_range("predecessor_ids", predecessor_ids, predecessor_codebook.shape[0])
+
+
+def _check_ids_in_range(name: str, ids: torch.Tensor, vocab: int) -> None:
+    """Every id in [0, vocab), read on the host (IndexError naming ``name``): for the
+    paths that index with PyTorch, where an id out of range is torch's unnamed
+    IndexError on CPU and a device-side assert on CUDA. Skipped while torch.compile traces."""
+    if ids.numel() and not torch.compiler.is_compiling():
+        low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
-            raise IndexError(f"predecessor_ids holds {low if low < 0 else high}, out of range for a vocabulary "
-                             f"of {vocab}.")
+            raise IndexError(f"{name} holds {low if low < 0 else high}, out of range for a vocabulary of {vocab}.")
+
+
+def _reference_without_kernels(reference_fn, predecessor_codebook, predecessor_ids, candidate_ids, *args):
+    """What an empty or rank-0 call returns: the reference's result, ids checked first
+    as the kernels would check them."""
+    vocab = predecessor_codebook.shape[0]
+    _check_ids_in_range("predecessor_ids", predecessor_ids, vocab)
+    _check_ids_in_range("candidate_ids", candidate_ids, vocab)
+    return reference_fn(*args)
 
 
 # transition_scores has no unary scores: the validation skips them (None is a bad argument).
@@ -221,7 +235,8 @@ def score_candidates(
     _validate(unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=False)
     if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
-        return reference.selector_score_candidates(
+        return _reference_without_kernels(
+            reference.selector_score_candidates, predecessor_codebook, predecessor_ids, candidate_ids,
             unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
         )
     return _fused_scores(unary_logits, projected, predecessor_codebook, successor_codebook, predecessor_ids,
@@ -243,7 +258,8 @@ def transition_scores(
     _validate(_NO_UNARY, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
               unary_gathered=True)
     if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
-        return reference.selector_transition_scores(
+        return _reference_without_kernels(
+            reference.selector_transition_scores, predecessor_codebook, predecessor_ids, candidate_ids,
             projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids
         )
     zeros = predecessor_codebook.new_zeros(candidate_ids.shape)
@@ -272,7 +288,8 @@ def pair_scores(
     out_dtype = torch.promote_types(unary.dtype, torch.promote_types(predecessor_codebook.dtype, projected.dtype))
     if _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids):
         # The reference's einsum does not promote as documented: cast to the promised dtype.
-        return reference.selector_pair_scores(
+        return _reference_without_kernels(
+            reference.selector_pair_scores, predecessor_codebook, predecessor_ids, candidate_ids,
             projected, unary, predecessor_codebook, successor_codebook, candidate_ids, predecessor_ids
         ).to(out_dtype)
     return _fused_scores(unary, projected, predecessor_codebook, successor_codebook, predecessor_ids,
