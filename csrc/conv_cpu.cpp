@@ -3,7 +3,8 @@
 // Shapes: x [N, H], delta [N, K, G], base [K, H], grad_out [N, H]; group size gs = H / G,
 // block position p(n) = n % block_size. Each operand may be float16, bfloat16, float32 or
 // float64, independently. Everything is computed in acc_t (float, or double when any input
-// is float64) and rounded once to the result's dtype.
+// is float64) and rounded once to the result's dtype, except the backward's reductions
+// (ddelta over a group, dbase over rows), which sum the exact products in double.
 //
 // The op is memory-bound, so each kernel walks the rows once (each thread a contiguous
 // range), and the inner loops run over the contiguous channel axis, one group (one delta
@@ -22,14 +23,15 @@
 
 #include "cpu_row_kernel.h"
 #include "output_alloc.h"
+#include "tensor_checks.h"
 
 namespace dflash2 {
 namespace {
 
 // dbase is summed per fixed chunk of rows, then over chunks in order, so its rounding
 // does not depend on the thread count.
-// 64 rows: a serving-size batch (256 rows) still splits over the threads, and the
-// chunk's own running sum stays short enough to hold SPEC section 4.
+// 64 rows: a serving-size batch (256 rows) still splits over the threads; the chunk's
+// running sum is a double one (sum_t), so its length costs no accuracy.
 constexpr int64_t kDbaseChunkRows = 64;
 
 struct ConvShape {
@@ -44,13 +46,15 @@ bool is_supported_dtype(at::ScalarType type) {
   return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
 }
 
+// Bad arguments raise before any kernel runs, naming the argument: a dtype the kernels
+// cannot read or store is a TypeError, a device, a shape, a stride or a size a ValueError.
 void check_operand(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device(), ".");
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes(), ".");
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device(), ".");
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes(), ".");
+  TORCH_CHECK_TYPE(
       is_supported_dtype(t.scalar_type()), name,
       " must be float16, bfloat16, float32 or float64, got ", t.scalar_type(), ".");
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(
       t.size(-1) <= 1 || t.stride(-1) == 1, name, " must have a unit last stride, got strides ",
       t.strides(), ".");
 }
@@ -59,18 +63,19 @@ ConvShape check_conv_args(const at::Tensor& x, const at::Tensor& delta, const at
   check_operand(x, "x", 2);
   check_operand(delta, "delta", 3);
   check_operand(base, "base", 2);
-  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size, ".");
+  TORCH_CHECK_VALUE(block_size >= 1, "block_size must be >= 1, got ", block_size, ".");
   const ConvShape shape{x.size(0), x.size(1), delta.size(1), delta.size(2), 0};
-  TORCH_CHECK(shape.taps >= 1, "delta must have at least one tap (dimension 1), got shape ", delta.sizes(), ".");
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(
+      shape.taps >= 1, "delta must have at least one tap (dimension 1), got shape ", delta.sizes(), ".");
+  TORCH_CHECK_VALUE(
       shape.groups >= 1 && shape.hidden % shape.groups == 0, "delta's group count (dimension 2) must divide x's ",
       shape.hidden, " channels, got shape ", delta.sizes(), ".");
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(
       delta.size(0) == shape.rows, "delta must have shape [", shape.rows, ", K, G] (x's row count), got ",
       delta.sizes(), ".");
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(
       base.size(0) == shape.taps && base.size(1) == shape.hidden, "base must have shape [", shape.taps, ", ",
-      shape.hidden, "], got ", base.sizes(), ".");
+      shape.hidden, "] (delta's taps, x's channels), got ", base.sizes(), ".");
   return ConvShape{shape.rows, shape.hidden, shape.taps, shape.groups, shape.hidden / shape.groups};
 }
 
@@ -192,43 +197,55 @@ inline void apply_tap_to_group(
   }
 }
 
-// kLanes acc_t values as one GCC vector: two SSE registers, or one AVX2 register in the
-// AVX2 clone (twice that for double).
-constexpr int64_t kLanes = 8;
-template <typename acc_t>
-struct Lanes {
-  typedef acc_t type __attribute__((vector_size(kLanes * sizeof(acc_t))));
-  typedef acc_t half __attribute__((vector_size(kLanes / 2 * sizeof(acc_t))));
+// The reductions of the backward (ddelta's sum over a group's channels, dbase's over
+// rows) run in double whatever acc_t is. The product of two floats is exact in double
+// (24 + 24 significant bits), so these sums carry almost no error before their single
+// rounding to the result's dtype. Float sums failed SPEC section 4: 300 channels summed
+// in 8 lanes (37 terms a lane), or the 64 rows of a chunk (64 identical terms for an
+// expanded, row-stride-0 operand, whose errors add up coherently), lost up to 13x the
+// error of torch's cascade sums.
+using sum_t = double;
+
+// 4 values as one GCC vector: 4 doubles fill one AVX2 register in the AVX2 clone, two
+// SSE registers otherwise. (A vector wider than a register goes through the stack, and
+// the SLP vectoriser leaves a lane reduction scalar: both cost more than the doubles.)
+template <typename T>
+struct Quad {
+  typedef T type __attribute__((vector_size(4 * sizeof(T))));
 };
 
-// sum_c a[c] * b[c] over c < count, adding each product to partial[c] too. The sum runs
-// in kLanes lanes folded by halves: a fixed order (deterministic, the same in both
-// clones) in a few vector instructions, where a compiler's own reduction epilogue adds
-// the lanes one at a time (once per group, that dominated the backward).
+// sum_c a[c] * b[c] over c < count, in double, adding each product to partial[c] too.
+// The sum runs in 8 lanes (c mod 8: two quads) folded by halves: a fixed order
+// (deterministic, the same in both clones) in a few vector instructions, where a
+// compiler's own reduction epilogue adds the lanes one at a time (once per group, that
+// dominated the backward).
 template <typename acc_t>
-inline acc_t sum_products_into(
-    acc_t* __restrict partial, const acc_t* __restrict a, const acc_t* __restrict b, int64_t count) {
-  using Vector = typename Lanes<acc_t>::type;
-  using Half = typename Lanes<acc_t>::half;
-  Vector lanes = {};
+inline sum_t sum_products_into(
+    sum_t* __restrict partial, const acc_t* __restrict a, const acc_t* __restrict b, int64_t count) {
+  using Sums = typename Quad<sum_t>::type;
+  Sums low = {}, high = {};
   int64_t c = 0;
-  for (; c + kLanes <= count; c += kLanes) {
-    Vector va, vb, vp;  // memcpy: unaligned vector loads and stores
-    std::memcpy(&va, a + c, sizeof(Vector));
-    std::memcpy(&vb, b + c, sizeof(Vector));
-    std::memcpy(&vp, partial + c, sizeof(Vector));
-    const Vector product = va * vb;
-    lanes += product;
-    vp += product;
-    std::memcpy(partial + c, &vp, sizeof(Vector));
+  for (; c + 8 <= count; c += 8) {
+    const acc_t* x = a + c;
+    const acc_t* y = b + c;
+    const Sums product_low = Sums{sum_t(x[0]), sum_t(x[1]), sum_t(x[2]), sum_t(x[3])} *
+                             Sums{sum_t(y[0]), sum_t(y[1]), sum_t(y[2]), sum_t(y[3])};
+    const Sums product_high = Sums{sum_t(x[4]), sum_t(x[5]), sum_t(x[6]), sum_t(x[7])} *
+                              Sums{sum_t(y[4]), sum_t(y[5]), sum_t(y[6]), sum_t(y[7])};
+    low += product_low;
+    high += product_high;
+    Sums p_low, p_high;  // memcpy: unaligned vector loads and stores
+    std::memcpy(&p_low, partial + c, sizeof(Sums));
+    std::memcpy(&p_high, partial + c + 4, sizeof(Sums));
+    p_low += product_low;
+    p_high += product_high;
+    std::memcpy(partial + c, &p_low, sizeof(Sums));
+    std::memcpy(partial + c + 4, &p_high, sizeof(Sums));
   }
-  Half low, high;
-  std::memcpy(&low, &lanes, sizeof(Half));
-  std::memcpy(&high, reinterpret_cast<const char*>(&lanes) + sizeof(Half), sizeof(Half));
   low += high;
-  acc_t sum = (low[0] + low[2]) + (low[1] + low[3]);
+  sum_t sum = (low[0] + low[2]) + (low[1] + low[3]);
   for (; c < count; ++c) {
-    const acc_t product = a[c] * b[c];
+    const sum_t product = static_cast<sum_t>(a[c]) * static_cast<sum_t>(b[c]);
     sum += product;
     partial[c] += product;
   }
@@ -262,13 +279,13 @@ DFLASH2_ROW_KERNEL void forward_rows(const ConvInputs<acc_t>& in, const Rows& ou
   }
 }
 
-// dx and ddelta rows [first_row, end_row), and their dbase terms summed into
-// partial [K, H] (zeroed here). Each row is one sweep over the groups doing every tap of
+// dx and ddelta rows [first_row, end_row), and their dbase terms summed into partial
+// [K, H] (double, zeroed here). Each row is one sweep over the groups doing every tap of
 // dx, ddelta and dbase, so that the three rows it touches first (grad_out n + K - 1, x n,
 // dx n) stream together.
 template <typename acc_t, int64_t kGroupSize>
 DFLASH2_ROW_KERNEL void backward_rows(
-    const ConvInputs<acc_t>& in, const Rows& grad_out, const Rows& dx, const Rows& ddelta, acc_t* partial,
+    const ConvInputs<acc_t>& in, const Rows& grad_out, const Rows& dx, const Rows& ddelta, sum_t* partial,
     int64_t first_row, int64_t end_row) {
   const ConvShape& shape = in.shape;
   const int64_t hidden = shape.hidden, groups = shape.groups, taps = shape.taps;
@@ -280,7 +297,7 @@ DFLASH2_ROW_KERNEL void backward_rows(
   acc_t* delta_scratch = dx_scratch + hidden;             // [K, G]: delta[n + tau, tau]
   acc_t* ddelta_scratch = delta_scratch + taps * groups;  // [K, G]
   std::vector<const acc_t*> dy_rows(taps), x_rows(taps), delta_rows(taps);
-  std::fill(partial, partial + taps * hidden, acc_t(0));
+  std::fill(partial, partial + taps * hidden, sum_t(0));
   for (int64_t n = first_row; n < end_row; ++n) {
     const int64_t position = n % in.block_size;
     // dx row n collects tap tau of each row n + tau in the same block.
@@ -310,8 +327,8 @@ DFLASH2_ROW_KERNEL void backward_rows(
             dx_row, in.base_x + tau * hidden, delta_rows[tau][g], dy_rows[tau], first, first + group_size, tau == 0);
       }
       for (int64_t tau = 0; tau < read_taps; ++tau) {
-        ddelta_row[tau * groups + g] =
-            sum_products_into(partial + tau * hidden + first, dy_row + first, x_rows[tau] + first, group_size);
+        ddelta_row[tau * groups + g] = static_cast<acc_t>(
+            sum_products_into(partial + tau * hidden + first, dy_row + first, x_rows[tau] + first, group_size));
       }
     }
     std::fill(ddelta_row + read_taps * groups, ddelta_row + taps * groups, acc_t(0));
@@ -320,18 +337,17 @@ DFLASH2_ROW_KERNEL void backward_rows(
   }
 }
 
-// dbase [K, H] in dbase's dtype = the chunks' partial sums added in chunk order, in
-// double: a float running sum over N / 64 chunks loses accuracy as N grows (at 64k rows
-// 7x the reference's error), a double one stays far below a float ulp for any N, and
-// adding K * H values per chunk costs nothing next to the rows' own pass.
-template <typename acc_t>
-void sum_dbase_partials(const acc_t* dbase_partials, int64_t chunks, const Rows& dbase, int64_t size) {
+// dbase [K, H] in dbase's dtype = the chunks' partial sums (double) added in chunk
+// order, in double, and rounded once: a float running sum over N / 64 chunks lost
+// accuracy as N grew (at 64k rows 7x the reference's error); adding K * H values per
+// chunk costs nothing next to the rows' own pass.
+void sum_dbase_partials(const sum_t* dbase_partials, int64_t chunks, const Rows& dbase, int64_t size) {
   at::parallel_for(0, size, at::internal::GRAIN_SIZE, [&](int64_t first, int64_t end) {
-    std::vector<double> total(end - first, 0.0);
+    std::vector<sum_t> total(end - first, 0.0);
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const acc_t* partial = dbase_partials + chunk * size + first;
+      const sum_t* partial = dbase_partials + chunk * size + first;
       for (int64_t i = 0; i < end - first; ++i) {
-        total[i] += static_cast<double>(partial[i]);
+        total[i] += partial[i];
       }
     }
     store_row(total.data(), dbase.data + first * dbase.element_size, dbase.type, end - first);
@@ -347,8 +363,9 @@ at::Tensor rounded_base(const at::Tensor& base, const at::Tensor& x, at::ScalarT
 at::Tensor grouped_dynamic_conv_forward_cpu(
     const at::Tensor& x, const at::Tensor& delta, const at::Tensor& base, int64_t block_size,
     at::ScalarType out_dtype) {
+  check_defined({{x, "x"}, {delta, "delta"}, {base, "base"}});
   const ConvShape shape = check_conv_args(x, delta, base, block_size);
-  TORCH_CHECK(
+  TORCH_CHECK_TYPE(
       is_supported_dtype(out_dtype), "out_dtype must be float16, bfloat16, float32 or float64, got ", out_dtype, ".");
   at::Tensor out = empty_output({shape.rows, shape.hidden}, x.options().dtype(out_dtype));
   const at::ScalarType acc_type = any_double({&x, &delta, &base}) ? at::kDouble : at::kFloat;
@@ -369,23 +386,24 @@ at::Tensor grouped_dynamic_conv_forward_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_dynamic_conv_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& delta, const at::Tensor& base,
     int64_t block_size) {
+  check_defined({{grad_out, "grad_out"}, {x, "x"}, {delta, "delta"}, {base, "base"}});
   const ConvShape shape = check_conv_args(x, delta, base, block_size);
   check_operand(grad_out, "grad_out", 2);
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(
       grad_out.sizes() == x.sizes(), "grad_out must have x's shape ", x.sizes(), ", got ", grad_out.sizes(), ".");
   at::Tensor dx = empty_output({shape.rows, shape.hidden}, x.options());
   at::Tensor ddelta = empty_output({shape.rows, shape.taps, shape.groups}, delta.options());
   at::Tensor dbase = empty_output({shape.taps, shape.hidden}, base.options());
   const at::ScalarType acc_type = any_double({&grad_out, &x, &delta, &base}) ? at::kDouble : at::kFloat;
   const at::Tensor base_x = rounded_base(base, x, acc_type);
-  // One dbase partial sum [K, H] per fixed chunk of rows, each written by the one thread
-  // that owns the chunk.
+  // One dbase partial sum [K, H] (double) per fixed chunk of rows, each written by the
+  // one thread that owns the chunk.
   const int64_t chunks = (shape.rows + kDbaseChunkRows - 1) / kDbaseChunkRows;
-  at::Tensor dbase_partials = empty_output({chunks, shape.taps, shape.hidden}, x.options().dtype(acc_type));
+  at::Tensor dbase_partials = empty_output({chunks, shape.taps, shape.hidden}, x.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(acc_type, "grouped_dynamic_conv_backward_cpu", [&] {
     const ConvInputs<scalar_t> in{Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), shape, block_size};
     const Rows dy_rows(grad_out), dx_rows(dx), ddelta_rows(ddelta);
-    scalar_t* partials = dbase_partials.mutable_data_ptr<scalar_t>();
+    sum_t* partials = dbase_partials.mutable_data_ptr<sum_t>();
     with_group_size(shape.group_size, [&](auto group_size) {
       at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
         for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
@@ -395,7 +413,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grouped_dynamic_conv_backward_cpu
         }
       });
     });
-    sum_dbase_partials<scalar_t>(partials, chunks, Rows(dbase), shape.taps * shape.hidden);
+    sum_dbase_partials(partials, chunks, Rows(dbase), shape.taps * shape.hidden);
   });
   return {dx, ddelta, dbase};
 }

@@ -6,9 +6,11 @@
 #include <torch/all.h>
 
 #include <cmath>
+#include <initializer_list>
 
 #include "kernels/selector_math.h"
 #include "output_alloc.h"
+#include "tensor_checks.h"
 
 namespace dflash2 {
 
@@ -48,6 +50,23 @@ inline bool is_supported_float(at::ScalarType type) {
   return type == at::kFloat || type == at::kHalf || type == at::kBFloat16 || type == at::kDouble;
 }
 
+// Rows are read contiguously: a tensor's last stride must be 1 (or its last dim <= 1).
+inline void check_unit_last_stride(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must have a unit last stride, got strides ",
+                    t.strides());
+}
+
+// Every tensor in `others` on `first`'s device (a host pointer read by a CUDA kernel is
+// an illegal address that poisons the context), e.g. "grad_scores must be on cuda:0 like
+// projected (all tensors on one device), got cpu".
+inline void check_same_device(const at::Tensor& first, const char* first_name,
+                              std::initializer_list<TensorArgument> others) {
+  for (const TensorArgument& other : others) {
+    TORCH_CHECK_VALUE(other.tensor.device() == first.device(), other.name, " must be on ", first.device(), " like ",
+                      first_name, " (all tensors on one device), got ", other.tensor.device());
+  }
+}
+
 inline SelectorShape check_selector_operands(const at::Tensor& projected, const at::Tensor& predecessor_codebook,
                                              const at::Tensor& successor_codebook, const at::Tensor& predecessor_ids,
                                              const at::Tensor& candidate_ids) {
@@ -60,32 +79,35 @@ inline SelectorShape check_selector_operands(const at::Tensor& projected, const 
   const SelectorShape shape{projected.size(0), predecessor_codebook.size(0), projected.size(1),
                             candidate_ids.dim() == 2 ? candidate_ids.size(1) : -1};
   // A bad id reads codebook row 0 (and discards it) on CUDA: the row must exist.
-  TORCH_CHECK_VALUE(shape.vocab >= 1, "codebooks must have at least one row (V >= 1), got ",
+  TORCH_CHECK_VALUE(shape.vocab >= 1, "predecessor_codebook must have at least one row (V >= 1), got ",
                     predecessor_codebook.sizes());
-  TORCH_CHECK_VALUE(predecessor_codebook.size(1) == shape.rank, "codebooks must be [V, ", shape.rank,
-                    "] to match projected, got ", predecessor_codebook.sizes());
+  TORCH_CHECK_VALUE(predecessor_codebook.size(1) == shape.rank, "predecessor_codebook must be [V, ", shape.rank,
+                    "] to match projected [N, r], got ", predecessor_codebook.sizes());
   TORCH_CHECK_VALUE(candidate_ids.dim() == 2 && candidate_ids.size(0) == shape.rows, "candidate_ids must be [",
                     shape.rows, ", k], got ", candidate_ids.sizes());
   TORCH_CHECK_VALUE(predecessor_ids.dim() == 1 && predecessor_ids.size(0) == shape.rows, "predecessor_ids must be [",
                     shape.rows, "], got ", predecessor_ids.sizes());
-  TORCH_CHECK_TYPE(predecessor_ids.scalar_type() == at::kLong && candidate_ids.scalar_type() == at::kLong,
-                   "predecessor_ids and candidate_ids must be int64, got ", predecessor_ids.scalar_type(), " and ",
+  TORCH_CHECK_TYPE(predecessor_ids.scalar_type() == at::kLong, "predecessor_ids must be int64, got ",
+                   predecessor_ids.scalar_type());
+  TORCH_CHECK_TYPE(candidate_ids.scalar_type() == at::kLong, "candidate_ids must be int64, got ",
                    candidate_ids.scalar_type());
   TORCH_CHECK_TYPE(is_supported_float(predecessor_codebook.scalar_type()),
-                   "codebooks must be float16, bfloat16, float32 or float64, got ", predecessor_codebook.scalar_type());
+                   "predecessor_codebook must be float16, bfloat16, float32 or float64, got ",
+                   predecessor_codebook.scalar_type());
   TORCH_CHECK_TYPE(successor_codebook.scalar_type() == predecessor_codebook.scalar_type(),
-                   "both codebooks must share a dtype, got ", predecessor_codebook.scalar_type(), " and ",
-                   successor_codebook.scalar_type());
+                   "successor_codebook must have predecessor_codebook's dtype ", predecessor_codebook.scalar_type(),
+                   ", got ", successor_codebook.scalar_type());
   TORCH_CHECK_TYPE(projected.scalar_type() == predecessor_codebook.scalar_type() ||
                        projected.scalar_type() == at::kFloat,
-                   "projected must have the codebooks' dtype or float32, got ", projected.scalar_type());
-  for (const at::Tensor* t : {&projected, &predecessor_codebook, &successor_codebook}) {
-    TORCH_CHECK_VALUE(t->size(1) <= 1 || t->stride(1) == 1, "projected and codebooks need a unit last stride");
-  }
-  for (const at::Tensor* t : {&predecessor_codebook, &successor_codebook, &predecessor_ids, &candidate_ids}) {
-    TORCH_CHECK_VALUE(t->device() == projected.device(), "all selector operands must be on one device, got ",
-                      projected.device(), " and ", t->device());
-  }
+                   "projected must have the codebooks' dtype (", predecessor_codebook.scalar_type(),
+                   ") or float32, got ", projected.scalar_type());
+  check_unit_last_stride(projected, "projected");
+  check_unit_last_stride(predecessor_codebook, "predecessor_codebook");
+  check_unit_last_stride(successor_codebook, "successor_codebook");
+  check_same_device(projected, "projected", {{predecessor_codebook, "predecessor_codebook"},
+                                             {successor_codebook, "successor_codebook"},
+                                             {predecessor_ids, "predecessor_ids"},
+                                             {candidate_ids, "candidate_ids"}});
   return shape;
 }
 
@@ -97,10 +119,10 @@ inline void check_unary(const at::Tensor& unary, bool unary_gathered, const Sele
                     shape.top_k, "], got ", unary.sizes());
   TORCH_CHECK_VALUE(unary_gathered || unary.size(1) == shape.vocab, "unary logits must be [", shape.rows, ", ",
                     shape.vocab, "], got ", unary.sizes());
-  TORCH_CHECK_VALUE(unary.size(1) <= 1 || unary.stride(1) == 1, "unary needs a unit last stride");
+  check_unit_last_stride(unary, "unary");
   TORCH_CHECK_TYPE(is_supported_float(unary.scalar_type()), "unary must be float16, bfloat16, float32 or float64, got ",
                    unary.scalar_type());
-  TORCH_CHECK_VALUE(unary.device() == projected.device(), "unary must be on ", projected.device());
+  check_same_device(projected, "projected", {{unary, "unary"}});
 }
 
 inline void check_grad_scores(const at::Tensor& grad_scores, const SelectorShape& shape,
@@ -109,9 +131,7 @@ inline void check_grad_scores(const at::Tensor& grad_scores, const SelectorShape
                     "grad_scores must be [", shape.rows, ", ", shape.top_k, "], got ", grad_scores.sizes());
   TORCH_CHECK_TYPE(is_supported_float(grad_scores.scalar_type()),
                    "grad_scores must be float16, bfloat16, float32 or float64, got ", grad_scores.scalar_type());
-  // A host tensor's pointer read by a CUDA kernel is an illegal address that poisons the context.
-  TORCH_CHECK_VALUE(grad_scores.device() == projected.device(), "grad_scores must be on ", projected.device(),
-                    ", got ", grad_scores.device());
+  check_same_device(projected, "projected", {{grad_scores, "grad_scores"}});
 }
 
 // What the ops are asked to write: only float types can be stored, and dU's width must

@@ -7,6 +7,7 @@
 #include "kernels/selector.cuh"
 #include "output_alloc.h"
 #include "selector_checks.h"
+#include "tensor_checks.h"
 
 namespace dflash2 {
 namespace {
@@ -42,6 +43,9 @@ at::Tensor selector_scores_cuda(const at::Tensor& unary, const at::Tensor& proje
                                 const at::Tensor& predecessor_codebook, const at::Tensor& successor_codebook,
                                 const at::Tensor& predecessor_ids, const at::Tensor& candidate_ids,
                                 bool unary_gathered, at::ScalarType out_dtype) {
+  check_defined({{unary, "unary"}, {projected, "projected"}, {predecessor_codebook, "predecessor_codebook"},
+                 {successor_codebook, "successor_codebook"}, {predecessor_ids, "predecessor_ids"},
+                 {candidate_ids, "candidate_ids"}});
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
   check_unary(unary, unary_gathered, shape, projected);
@@ -67,6 +71,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
     const at::Tensor& grad_scores, const at::Tensor& projected, const at::Tensor& predecessor_codebook,
     const at::Tensor& successor_codebook, const at::Tensor& predecessor_ids, const at::Tensor& candidate_ids,
     bool unary_gathered, int64_t unary_width, at::ScalarType unary_dtype) {
+  check_defined({{grad_scores, "grad_scores"}, {projected, "projected"},
+                 {predecessor_codebook, "predecessor_codebook"}, {successor_codebook, "successor_codebook"},
+                 {predecessor_ids, "predecessor_ids"}, {candidate_ids, "candidate_ids"}});
   const SelectorShape shape =
       check_selector_operands(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids);
   check_grad_scores(grad_scores, shape, projected);

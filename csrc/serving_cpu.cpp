@@ -16,6 +16,7 @@
 #include "kernels/serving_math.h"
 #include "output_alloc.h"
 #include "selector_checks.h"
+#include "tensor_checks.h"
 
 namespace dflash2 {
 namespace {
@@ -59,8 +60,17 @@ void check_serving_float(const at::Tensor& t, const char* name) {
                    t.scalar_type());
 }
 
+// The dtypes check_dtype asks for, as torch spells them (and the CUDA bindings' messages).
+const char* dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kLong: return "int64";
+    case at::kFloat: return "float32";
+    default: return c10::toString(type);
+  }
+}
+
 void check_dtype(const at::Tensor& t, at::ScalarType type, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == type, name, " must be ", dtype_name(type), ", got ", t.scalar_type());
 }
 
 void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* name, const char* symbolic) {
@@ -183,6 +193,7 @@ void topk_rows(const at::Tensor& logits, int top_k, at::Tensor& values, at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> candidate_topk_cpu(const at::Tensor& logits, int64_t top_k) {
+  check_defined({{logits, "logits"}});
   check_cpu(logits, "logits");
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [R, V], got ", logits.sizes());
   check_serving_float(logits, "logits");
@@ -212,6 +223,10 @@ BlockShape check_select_path(const at::Tensor& logits, const at::Tensor& project
                              const at::Tensor& predecessor_codebook, const at::Tensor& successor_codebook,
                              const at::Tensor& anchor_ids, const at::Tensor& uniforms, int64_t top_k,
                              double temperature, at::ScalarType score_dtype) {
+  // uniforms too: the schema takes a tensor (read only when temperature > 0; the
+  // Python wrapper passes an empty one when greedy).
+  check_defined({{logits, "logits"}, {projected, "projected"}, {predecessor_codebook, "predecessor_codebook"},
+                 {successor_codebook, "successor_codebook"}, {anchor_ids, "anchor_ids"}, {uniforms, "uniforms"}});
   for (const auto& [t, name] : {std::pair{&logits, "logits"}, {&projected, "projected"},
                                 {&predecessor_codebook, "predecessor_codebook"},
                                 {&successor_codebook, "successor_codebook"}, {&anchor_ids, "anchor_ids"}}) {
@@ -228,10 +243,13 @@ BlockShape check_select_path(const at::Tensor& logits, const at::Tensor& project
   check_shape(anchor_ids, {shape.batch}, "anchor_ids", "[B]");
   check_serving_float(logits, "logits");
   check_serving_float(predecessor_codebook, "predecessor_codebook");
-  check_dtype(successor_codebook, predecessor_codebook.scalar_type(), "successor_codebook");
+  TORCH_CHECK_TYPE(successor_codebook.scalar_type() == predecessor_codebook.scalar_type(),
+                   "successor_codebook must have predecessor_codebook's dtype ", predecessor_codebook.scalar_type(),
+                   ", got ", successor_codebook.scalar_type());
   TORCH_CHECK_TYPE(projected.scalar_type() == predecessor_codebook.scalar_type() ||
                        projected.scalar_type() == at::kFloat,
-                   "projected must have the codebooks' dtype or float32, got ", projected.scalar_type());
+                   "projected must have the codebooks' dtype (", predecessor_codebook.scalar_type(),
+                   ") or float32, got ", projected.scalar_type());
   check_dtype(anchor_ids, at::kLong, "anchor_ids");
   TORCH_CHECK_TYPE(is_serving_float(score_dtype), "score_dtype must be float16, bfloat16 or float32, got ",
                    score_dtype);
@@ -501,6 +519,8 @@ void verify_sequence(int64_t b, const VerifyInputs& in, const T* target, int64_t
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_tokens, const at::Tensor& target_probs,
                                                         const at::Tensor& draft_probs,
                                                         const at::Tensor& candidate_ids, const at::Tensor& uniforms) {
+  check_defined({{draft_tokens, "draft_tokens"}, {target_probs, "target_probs"}, {draft_probs, "draft_probs"},
+                 {candidate_ids, "candidate_ids"}, {uniforms, "uniforms"}});
   for (const auto& [t, name] : {std::pair{&draft_tokens, "draft_tokens"}, {&target_probs, "target_probs"},
                                 {&draft_probs, "draft_probs"}, {&candidate_ids, "candidate_ids"},
                                 {&uniforms, "uniforms"}}) {

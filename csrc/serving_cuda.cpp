@@ -10,13 +10,10 @@
 #include "kernels/serving.cuh"
 #include "output_alloc.h"
 #include "selector_checks.h"
+#include "tensor_checks.h"
 
 namespace dflash2 {
 namespace {
-
-void check_unit_last_stride(const at::Tensor& tensor, const char* name) {
-  TORCH_CHECK_VALUE(tensor.stride(-1) == 1 || tensor.size(-1) <= 1, name, " must have a unit last stride");
-}
 
 bool rows_aligned16(const at::Tensor& rows) {
   return reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 && (rows.stride(0) * rows.element_size()) % 16 == 0;
@@ -36,7 +33,8 @@ TopkPlan plan_topk(const at::Tensor& rows, int64_t top_k) {
   const int64_t vocab = rows.size(1);
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= std::min<int64_t>(vocab, kMaxServingTopK), "top_k must be in [1, min(V=",
                     vocab, ", ", kMaxServingTopK, ")], got ", top_k);
-  TORCH_CHECK_VALUE(vocab < static_cast<int64_t>(kNoIndex), "vocabulary too large for 32-bit token ids: ", vocab);
+  TORCH_CHECK_VALUE(vocab < static_cast<int64_t>(kNoIndex), "logits' vocabulary is too large for 32-bit token ids: ",
+                    vocab);
   const TopkSplit split = plan_topk_split(std::max<int64_t>(rows.size(0), 1), vocab, rows.get_device());
   const auto words = rows.options().dtype(at::kInt);
   TopkPlan plan;
@@ -58,6 +56,7 @@ TopkPlan plan_topk(const at::Tensor& rows, int64_t top_k) {
 }
 
 std::tuple<at::Tensor, at::Tensor> candidate_topk_cuda(const at::Tensor& logits, int64_t top_k) {
+  check_defined({{logits, "logits"}});
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, V], got ", logits.sizes());
   const KernelDeviceGuard device_guard(logits.device());
   TopkPlan plan = plan_topk(logits, top_k);
@@ -72,6 +71,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_path_cuda(
     const at::Tensor& logits, const at::Tensor& projected, const at::Tensor& predecessor_codebook,
     const at::Tensor& successor_codebook, const at::Tensor& anchor_ids, const at::Tensor& uniforms, int64_t top_k,
     double temperature, at::ScalarType score_dtype) {
+  // uniforms too: the schema takes a tensor (read only when temperature > 0; the
+  // Python wrapper passes an empty one when greedy).
+  check_defined({{logits, "logits"}, {projected, "projected"}, {predecessor_codebook, "predecessor_codebook"},
+                 {successor_codebook, "successor_codebook"}, {anchor_ids, "anchor_ids"}, {uniforms, "uniforms"}});
   TORCH_CHECK_VALUE(logits.dim() == 3, "logits must be [B, D, V], got ", logits.sizes());
   const int64_t batch = logits.size(0), draft = logits.size(1), vocab = logits.size(2);
   TORCH_CHECK_VALUE(predecessor_codebook.dim() == 2 && predecessor_codebook.size(0) == vocab,
@@ -86,27 +89,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_path_cuda(
                     anchor_ids.sizes());
   TORCH_CHECK_TYPE(anchor_ids.scalar_type() == at::kLong, "anchor_ids must be int64, got ", anchor_ids.scalar_type());
   const at::ScalarType codebook_type = predecessor_codebook.scalar_type();
-  TORCH_CHECK_TYPE(is_serving_float(codebook_type) && successor_codebook.scalar_type() == codebook_type,
-                   "codebooks must share one of float16, bfloat16, float32, got ", codebook_type, " and ",
+  TORCH_CHECK_TYPE(is_serving_float(codebook_type), "predecessor_codebook must be float16, bfloat16 or float32, got ",
+                   codebook_type);
+  TORCH_CHECK_TYPE(successor_codebook.scalar_type() == codebook_type,
+                   "successor_codebook must have predecessor_codebook's dtype ", codebook_type, ", got ",
                    successor_codebook.scalar_type());
   TORCH_CHECK_TYPE(projected.scalar_type() == codebook_type || projected.scalar_type() == at::kFloat,
-                   "projected must be in the codebook dtype or float32, got ", projected.scalar_type());
+                   "projected must have the codebooks' dtype (", codebook_type, ") or float32, got ",
+                   projected.scalar_type());
   TORCH_CHECK_TYPE(is_serving_float(score_dtype), "score_dtype must be float16, bfloat16 or float32, got ",
                    score_dtype);
   const float kernel_temp = kernel_temperature(temperature);
   const bool sampled = kernel_temp > 0.0f;
   if (sampled) {
-    TORCH_CHECK_VALUE(uniforms.sizes() == at::IntArrayRef({batch, draft}) && uniforms.scalar_type() == at::kFloat,
-                      "uniforms must be float32 [", batch, ", ", draft, "], got ", uniforms.scalar_type(), " ",
-                      uniforms.sizes());
-    TORCH_CHECK_VALUE(uniforms.device() == logits.device(), "uniforms must be on ", logits.device(), ", got ",
-                      uniforms.device());
+    TORCH_CHECK_VALUE(uniforms.sizes() == at::IntArrayRef({batch, draft}), "uniforms must be [", batch, ", ", draft,
+                      "], got ", uniforms.sizes());
+    TORCH_CHECK_TYPE(uniforms.scalar_type() == at::kFloat, "uniforms must be float32, got ", uniforms.scalar_type());
+    check_same_device(logits, "logits", {{uniforms, "uniforms"}});
   }
   check_unit_last_stride(predecessor_codebook, "predecessor_codebook");
   check_unit_last_stride(successor_codebook, "successor_codebook");
-  for (const at::Tensor* tensor : {&projected, &predecessor_codebook, &successor_codebook, &anchor_ids}) {
-    TORCH_CHECK_VALUE(tensor->device() == logits.device(), "all select_path tensors must be on ", logits.device());
-  }
+  check_same_device(logits, "logits", {{projected, "projected"}, {predecessor_codebook, "predecessor_codebook"},
+                                       {successor_codebook, "successor_codebook"}, {anchor_ids, "anchor_ids"}});
   const KernelDeviceGuard device_guard(logits.device());
   const at::Tensor rows = logits.reshape({batch * draft, vocab});
   TopkPlan plan = plan_topk(rows, top_k);
@@ -150,6 +154,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                                                          const at::Tensor& draft_probs,
                                                          const at::Tensor& candidate_ids,
                                                          const at::Tensor& uniforms) {
+  check_defined({{draft_tokens, "draft_tokens"}, {target_probs, "target_probs"}, {draft_probs, "draft_probs"},
+                 {candidate_ids, "candidate_ids"}, {uniforms, "uniforms"}});
   TORCH_CHECK_VALUE(draft_tokens.dim() == 2, "draft_tokens must be [B, D], got ", draft_tokens.sizes());
   const int64_t batch = draft_tokens.size(0), draft = draft_tokens.size(1);
   TORCH_CHECK_VALUE(draft >= 1, "draft_tokens must have D >= 1 positions");
@@ -166,18 +172,19 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                     draft_probs.sizes(), ", got ", candidate_ids.sizes());
   TORCH_CHECK_VALUE(uniforms.sizes() == at::IntArrayRef({batch, draft + 1}), "uniforms must be [", batch, ", ",
                     draft + 1, "], got ", uniforms.sizes());
-  TORCH_CHECK_TYPE(draft_tokens.scalar_type() == at::kLong && candidate_ids.scalar_type() == at::kLong,
-                   "draft_tokens and candidate_ids must be int64");
-  TORCH_CHECK_TYPE(draft_probs.scalar_type() == at::kFloat && uniforms.scalar_type() == at::kFloat,
-                   "draft_probs and uniforms must be float32");
+  TORCH_CHECK_TYPE(draft_tokens.scalar_type() == at::kLong, "draft_tokens must be int64, got ",
+                   draft_tokens.scalar_type());
+  TORCH_CHECK_TYPE(candidate_ids.scalar_type() == at::kLong, "candidate_ids must be int64, got ",
+                   candidate_ids.scalar_type());
+  TORCH_CHECK_TYPE(draft_probs.scalar_type() == at::kFloat, "draft_probs must be float32, got ",
+                   draft_probs.scalar_type());
+  TORCH_CHECK_TYPE(uniforms.scalar_type() == at::kFloat, "uniforms must be float32, got ", uniforms.scalar_type());
   TORCH_CHECK_TYPE(is_serving_float(target_probs.scalar_type()),
                    "target_probs must be float16, bfloat16 or float32, got ", target_probs.scalar_type());
   check_unit_last_stride(target_probs, "target_probs");
   const int64_t slices = (vocab + kVerifySliceLength - 1) / kVerifySliceLength;
-  for (const at::Tensor* tensor : {&target_probs, &draft_probs, &candidate_ids, &uniforms}) {
-    TORCH_CHECK_VALUE(tensor->device() == draft_tokens.device(), "all rejection_sample tensors must be on ",
-                      draft_tokens.device());
-  }
+  check_same_device(draft_tokens, "draft_tokens", {{target_probs, "target_probs"}, {draft_probs, "draft_probs"},
+                                                   {candidate_ids, "candidate_ids"}, {uniforms, "uniforms"}});
   const KernelDeviceGuard device_guard(draft_tokens.device());
   const at::Tensor tokens = draft_tokens.contiguous();
   const at::Tensor proposal = draft_probs.contiguous();

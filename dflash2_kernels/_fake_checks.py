@@ -14,6 +14,13 @@ KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SERVING_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def defined(op: str, **tensors) -> None:
+    """Every tensor argument given (the kernels refuse None as csrc/tensor_checks.h does)."""
+    for name, tensor in tensors.items():
+        if tensor is None:
+            raise TypeError(f"{op}: {name} must be a tensor, got None.")
+
+
 def one_device(op: str, **tensors: torch.Tensor) -> None:
     """Every tensor argument of ``op`` on one device (ValueError naming them otherwise)."""
     devices = {tensor.device for tensor in tensors.values()}

@@ -3,6 +3,7 @@ handle (naming the argument), and empty sizes give the reference's empty results
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -36,14 +37,16 @@ def _selector_args():
     return unary, projected, a, b, pred, cand, grad
 
 
-def _raw_calls():
-    """(op name, callable taking the tensor list, tensor list) for every C++ op."""
-    ops = torch.ops.dflash2
+def _raw_calls(namespace="dflash2"):
+    """(op name, callable taking the tensor list, tensor list) for every C++ op of
+    torch.ops.<namespace>: dflash2 (CPU kernels), or dflash2_emulated (the CUDA
+    bindings and kernels run on CPU tensors, in the sanitized build; no conv ops)."""
+    ops = getattr(torch.ops, namespace)
     x, delta, base = _conv_args()
     unary, projected, a, b, pred, cand, grad = _selector_args()
     projected_block, logits, anchors, pa, pb = block_inputs(BlockCase(2, 3, 50, 8, 4), "cpu")
     tokens, target, proposal, candidates, uniforms = verify_inputs(VERIFY_CASES[1], "cpu")
-    return [
+    calls = [
         ("conv_forward_cpu", lambda t: ops.conv_forward_cpu(*t, 4, torch.float32), [x, delta, base]),
         ("conv_backward_cpu", lambda t: ops.conv_backward_cpu(*t, 4), [x, x, delta, base]),
         ("selector_scores", lambda t: ops.selector_scores(*t, False, torch.float32), [unary, projected, a, b, pred,
@@ -55,6 +58,32 @@ def _raw_calls():
          [logits, projected_block, pa, pb, anchors, torch.rand(2, 3)]),
         ("rejection_sample", lambda t: ops.rejection_sample(*t), [tokens, target, proposal, candidates, uniforms]),
     ]
+    return [call for call in calls if namespace == "dflash2" or not call[0].startswith("conv_")]
+
+
+# Each op's tensor arguments, in the order _raw_calls passes them (the schema's names).
+TENSOR_NAMES = {
+    "conv_forward_cpu": ("x", "delta", "base"),
+    "conv_backward_cpu": ("grad_out", "x", "delta", "base"),
+    "selector_scores": ("unary", "projected", "predecessor_codebook", "successor_codebook", "predecessor_ids",
+                        "candidate_ids"),
+    "selector_scores_backward": ("grad_scores", "projected", "predecessor_codebook", "successor_codebook",
+                                 "predecessor_ids", "candidate_ids"),
+    "candidate_topk": ("logits",),
+    "select_path": ("logits", "projected", "predecessor_codebook", "successor_codebook", "anchor_ids", "uniforms"),
+    "rejection_sample": ("draft_tokens", "target_probs", "draft_probs", "candidate_ids", "uniforms"),
+}
+NAMESPACES = ["dflash2", "dflash2_emulated"]
+
+
+def _ops_in(namespace):
+    """torch.ops.<namespace>'s calls; the emulated ops only in the sanitized test build."""
+    if namespace == "dflash2_emulated":
+        library = os.environ.get("DFLASH2_EMULATED_LIB")
+        if not library:
+            pytest.skip("emulated CUDA kernels: run `python scripts/asan.py test`")
+        torch.ops.load_library(library)
+    return {name: (call, tensors) for name, call, tensors in _raw_calls(namespace)}
 
 
 # candidate_topk takes one tensor: meta alone is a valid, shape-only call.
@@ -71,6 +100,86 @@ def test_raw_ops_refuse_cpu_mixed_with_meta(op):
     for index in range(len(tensors)):
         with pytest.raises(ValueError, match="must be on one device"):
             call(_to_meta(tensors, index))
+
+
+@needs_extension
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("op", MULTI_TENSOR_OPS)
+def test_raw_ops_name_a_none_tensor(op, namespace):
+    """torch's schema hands None for a Tensor to the op as an undefined tensor: each op
+    refuses it first, naming the argument (not torch's "tensor does not have a device")."""
+    ops = _ops_in(namespace)
+    if op not in ops:
+        pytest.skip(f"{namespace} has no {op}")
+    call, tensors = ops[op]
+    for index, name in enumerate(TENSOR_NAMES[op]):
+        args = list(tensors)
+        args[index] = None
+        with pytest.raises(TypeError, match=f"^{name} must be a tensor, got None$"):
+            call(args)
+
+
+@needs_extension
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_greedy_select_path_still_needs_a_uniforms_tensor(namespace):
+    """uniforms is read only when sampling, but the schema takes a tensor: None is refused
+    greedy too (the Python wrapper passes an empty tensor)."""
+    call, tensors = _ops_in(namespace)["select_path"]
+    ops = getattr(torch.ops, namespace)
+    with pytest.raises(TypeError, match="^uniforms must be a tensor, got None$"):
+        ops.select_path(*tensors[:5], None, 4, 0.0, torch.float32)
+    assert ops.select_path(*tensors[:5], torch.empty(0), 4, 0.0, torch.float32)[0].shape == (2, 3)
+
+
+def _strided(tensor):
+    """The same values with last stride 2."""
+    wide = torch.zeros(*tensor.shape[:-1], 2 * tensor.shape[-1], dtype=tensor.dtype)
+    wide[..., ::2] = tensor
+    return wide[..., ::2]
+
+
+# (op, index of the tensor replaced, how, exception, message start): the raw ops' dtype
+# and layout errors name the argument they are about.
+RAW_ARGUMENT_ERRORS = [
+    ("selector_scores", 2, lambda t: t.to(torch.int16), TypeError,
+     "predecessor_codebook must be float16, bfloat16, float32 or float64, got Short"),
+    ("selector_scores", 3, lambda t: t.to(torch.bool), TypeError,
+     "successor_codebook must have predecessor_codebook's dtype Float, got Bool"),
+    ("selector_scores", 3, lambda t: t.to(torch.bfloat16), TypeError,
+     "successor_codebook must have predecessor_codebook's dtype Float, got BFloat16"),
+    ("selector_scores", 1, _strided, ValueError, "projected must have a unit last stride"),
+    ("selector_scores", 2, _strided, ValueError, "predecessor_codebook must have a unit last stride"),
+    ("selector_scores", 3, _strided, ValueError, "successor_codebook must have a unit last stride"),
+    ("selector_scores", 0, _strided, ValueError, "unary must have a unit last stride"),
+    ("selector_scores", 4, lambda t: t.int(), TypeError, "predecessor_ids must be int64, got Int"),
+    ("selector_scores", 5, lambda t: t.int(), TypeError, "candidate_ids must be int64, got Int"),
+    ("selector_scores_backward", 2, lambda t: t.to(torch.complex64), TypeError,
+     "predecessor_codebook must be float16, bfloat16, float32 or float64, got ComplexFloat"),
+    ("selector_scores_backward", 3, lambda t: t.double(), TypeError,
+     "successor_codebook must have predecessor_codebook's dtype Float, got Double"),
+    ("selector_scores_backward", 3, _strided, ValueError, "successor_codebook must have a unit last stride"),
+    ("select_path", 2, lambda t: t.to(torch.int8), TypeError,
+     "predecessor_codebook must be float16, bfloat16 or float32, got Char"),
+    ("select_path", 3, lambda t: t.half(), TypeError,
+     "successor_codebook must have predecessor_codebook's dtype Float, got Half"),
+    ("select_path", 5, lambda t: t.double(), TypeError, "uniforms must be float32, got Double"),
+    ("rejection_sample", 0, lambda t: t.int(), TypeError, "draft_tokens must be int64, got Int"),
+    ("rejection_sample", 3, lambda t: t.int(), TypeError, "candidate_ids must be int64, got Int"),
+    ("rejection_sample", 2, lambda t: t.half(), TypeError, "draft_probs must be float32, got Half"),
+    ("rejection_sample", 4, lambda t: t.double(), TypeError, "uniforms must be float32, got Double"),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("op,index,change,error,message", RAW_ARGUMENT_ERRORS,
+                         ids=[f"{e[0]}-{TENSOR_NAMES[e[0]][e[1]]}-{e[4].split(' ')[-1]}" for e in RAW_ARGUMENT_ERRORS])
+def test_raw_op_errors_name_the_argument(op, index, change, error, message, namespace):
+    call, tensors = _ops_in(namespace)[op]
+    args = list(tensors)
+    args[index] = change(args[index])
+    with pytest.raises(error, match=re.escape(message)):
+        call(args)
 
 
 @needs_extension

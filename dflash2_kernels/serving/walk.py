@@ -53,6 +53,7 @@ if EXTENSION_LOADED:
         op = "select_path"
         tensors = dict(logits=logits, projected=projected, predecessor_codebook=predecessor_codebook,
                        successor_codebook=successor_codebook, anchor_ids=anchor_ids)
+        fake_checks.defined(op, **tensors, uniforms=uniforms)
         if temperature > 0:
             tensors["uniforms"] = uniforms
         fake_checks.one_device(op, **tensors)
