@@ -48,7 +48,7 @@ def check_hidden(name: str, hidden, weight: torch.Tensor) -> None:
                         "(cast one of them, or run under torch.autocast).")
 
 
-def _upstream_parameter(module: nn.Module, name: str) -> nn.Parameter:
+def upstream_parameter(module: nn.Module, name: str) -> nn.Parameter:
     """``module.<name>`` (a dotted path), which must be an ``nn.Parameter``: ours will hold
     that very object, so an optimizer and a checkpoint see no change."""
     owner_path, _, leaf = name.rpartition(".")
@@ -59,12 +59,12 @@ def _upstream_parameter(module: nn.Module, name: str) -> nn.Parameter:
     return value
 
 
-def _upstream_linear_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> nn.Parameter:
+def upstream_linear_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> nn.Parameter:
     """The weight of the upstream ``nn.Linear(bias=False)`` at ``module.<name>``, of ``shape``."""
     linear = getattr(module, name, None)
     if not isinstance(linear, nn.Linear) or linear.bias is not None:
         raise TypeError(f"the upstream module's {name} must be an nn.Linear without bias, got {linear!r}.")
-    weight = _upstream_parameter(linear, "weight")
+    weight = upstream_parameter(linear, "weight")
     if tuple(weight.shape) != shape:
         raise ValueError(f"the upstream module's {name}.weight must have shape {shape}, got {tuple(weight.shape)}.")
     return weight
@@ -114,7 +114,7 @@ class GroupedDynamicCausalConv(nn.Module):
         and the same attributes and training flag; hooks on ``module`` do not carry
         over. Errors (TypeError / ValueError) name the attribute at fault.
         """
-        base = _upstream_parameter(module, "base_kernel")
+        base = upstream_parameter(module, "base_kernel")
         sizes = _upstream_sizes(module, "block_size", "kernel_size", "group_size")
         if base.dim() != 3 or base.shape[0] != 2 or base.shape[1] != sizes["kernel_size"]:
             raise ValueError(f"the upstream module's base_kernel must have shape [2, kernel_size="
@@ -127,7 +127,7 @@ class GroupedDynamicCausalConv(nn.Module):
         if getattr(module, "num_groups", conv.num_groups) != conv.num_groups:
             raise ValueError(f"the upstream module's num_groups must be hidden_size / group_size = "
                              f"{conv.num_groups}, got {module.num_groups}.")
-        conv.kernel_projection.weight = _upstream_linear_weight(
+        conv.kernel_projection.weight = upstream_linear_weight(
             module, "kernel_projection", (2 * conv.kernel_size * conv.num_groups, hidden_size)
         )
         conv.base_kernel = base
@@ -211,15 +211,15 @@ class CandidateSelector(nn.Module):
         where it has one, else 0.02, speculators' default. Hooks on ``module`` do not
         carry over. Errors (TypeError / ValueError) name the attribute at fault.
         """
-        predecessor = _upstream_parameter(module, "predecessor_codebook")
-        successor = _upstream_parameter(module, "successor_codebook")
+        predecessor = upstream_parameter(module, "predecessor_codebook")
+        successor = upstream_parameter(module, "successor_codebook")
         if predecessor.dim() != 2 or successor.shape != predecessor.shape:
             raise ValueError("the upstream module's predecessor_codebook and successor_codebook must both be "
                              f"[vocab_size, rank], got {tuple(predecessor.shape)} and {tuple(successor.shape)}.")
         vocab_size, rank = predecessor.shape
         projection = getattr(module, "hidden_projection", None)
         hidden_size = getattr(projection, "in_features", None)
-        weight = _upstream_linear_weight(module, "hidden_projection", (rank, hidden_size))
+        weight = upstream_linear_weight(module, "hidden_projection", (rank, hidden_size))
         top_k = _upstream_sizes(module, "top_k")["top_k"]
         with torch.device("meta"):  # placeholders: no memory, no random numbers drawn
             selector = cls(vocab_size, hidden_size, rank, top_k,

@@ -60,22 +60,6 @@ def _require_size(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
 
 
-def _shared_parameter(name: str, value) -> nn.Parameter:
-    if not isinstance(value, nn.Parameter):
-        raise TypeError(f"the upstream module's {name} must be an nn.Parameter, got {type(value).__name__}.")
-    return value
-
-
-def _linear_weight(name: str, linear, shape: tuple[int, int]) -> nn.Parameter:
-    """The weight of an upstream ``nn.Linear(bias=False)``, checked against its shape."""
-    if not isinstance(linear, nn.Linear) or linear.bias is not None:
-        raise TypeError(f"the upstream module's {name} must be an nn.Linear without bias, got {linear!r}.")
-    weight = _shared_parameter(f"{name}.weight", linear.weight)
-    if tuple(weight.shape) != shape:
-        raise ValueError(f"the upstream module's {name}.weight must have shape {shape}, got {tuple(weight.shape)}.")
-    return weight
-
-
 class GroupedDynamicCausalConv(nn.Module):
     """NeMo's ``GroupedDynamicCausalConv(hidden_size, kernel_size, group_size)``, fused.
 
@@ -112,7 +96,7 @@ class GroupedDynamicCausalConv(nn.Module):
         """Ours around a NeMo conv's own ``base_kernel`` and ``kernel_projection.weight``
         (the same Parameter objects: no copy, no random numbers drawn). The training
         flag carries over; hooks on the upstream module do not."""
-        base = _shared_parameter("base_kernel", getattr(module, "base_kernel", None))
+        base = modules.upstream_parameter(module, "base_kernel")
         kernel_size, group_size = getattr(module, "kernel_size", None), getattr(module, "group_size", None)
         if base.dim() != 3 or base.shape[0] != 2 or base.shape[1] != kernel_size:
             raise ValueError(f"the upstream module's base_kernel must have shape [2, kernel_size={kernel_size}, "
@@ -123,8 +107,7 @@ class GroupedDynamicCausalConv(nn.Module):
         with torch.device("meta"):
             conv = cls(hidden_size, kernel_size, group_size)
         shape = (2 * kernel_size * (hidden_size // group_size), hidden_size)
-        conv.kernel_projection.weight = _linear_weight("kernel_projection", getattr(module, "kernel_projection", None),
-                                                       shape)
+        conv.kernel_projection.weight = modules.upstream_linear_weight(module, "kernel_projection", shape)
         conv.base_kernel = base
         return conv.train(module.training)
 
@@ -191,15 +174,15 @@ class CandidateSelector(modules.CandidateSelector):
         """Ours around a NeMo selector's own codebooks and ``hidden_projection.weight``
         (the same Parameter objects: no copy, no random numbers drawn). The training
         flag carries over; hooks on the upstream module do not."""
-        predecessor = _shared_parameter("predecessor_codebook", getattr(module, "predecessor_codebook", None))
-        successor = _shared_parameter("successor_codebook", getattr(module, "successor_codebook", None))
+        predecessor = modules.upstream_parameter(module, "predecessor_codebook")
+        successor = modules.upstream_parameter(module, "successor_codebook")
         if predecessor.dim() != 2 or successor.shape != predecessor.shape:
             raise ValueError("the upstream module's codebooks must both be [vocab_size, rank], got "
                              f"{tuple(predecessor.shape)} and {tuple(successor.shape)}.")
         vocab_size, rank = predecessor.shape
         projection = getattr(module, "hidden_projection", None)
         hidden_size = projection.in_features if isinstance(projection, nn.Linear) else None
-        weight = _linear_weight("hidden_projection", projection, (rank, hidden_size))
+        weight = modules.upstream_linear_weight(module, "hidden_projection", (rank, hidden_size))
         with torch.device("meta"):  # placeholders: no memory, no RNG draws
             selector = cls(vocab_size, hidden_size, rank, getattr(module, "top_k", None))
         selector.hidden_projection.weight = weight
