@@ -30,8 +30,11 @@ import dflash2_kernels as dk
 from dflash2_kernels.compat import nemo as ours
 
 from . import upstream_models as um
+from .upstream_models import one_thread  # noqa: F401 (a fixture, used below)
 from .contract import assert_within_contract
 from .test_serving_stats import FAMILY_ALPHA, assert_fits, chi_square
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 definitions = pytest.importorskip("nemo_automodel.components.speculative.dflash.draft_qwen3_dflash2")
 package = pytest.importorskip("nemo_automodel.components.speculative.dflash")
@@ -50,16 +53,6 @@ INSTALLED = {
     f"{package.__name__}.CandidateSelector": (package, ours.CandidateSelector),
 }
 PROMPT = torch.tensor([[14, 35, 45, 49, 106]])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: with two OpenMP threads on a busy two-core machine every
-    # op waits on a thread wake-up, 100x slower than the work itself.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

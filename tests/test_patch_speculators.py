@@ -19,7 +19,10 @@ from torch import nn
 import dflash2_kernels as dk
 
 from . import upstream_models as um
+from .upstream_models import one_thread  # noqa: F401 (a fixture, used below)
 from .contract import assert_within_contract
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 speculators_core = pytest.importorskip("speculators.models.dflash2.core")
 definitions = pytest.importorskip("speculators.models.dflash2.model_definitions")
@@ -36,16 +39,6 @@ INSTALLED = {
     "speculators.models.dflash2.model_definitions.CandidateSelector": dk.CandidateSelector,
     "speculators.models.dflash2.core.CandidateSelector": dk.CandidateSelector,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: with two OpenMP threads on a busy two-core machine every
-    # op waits on a thread wake-up, 100x slower than the work itself.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ import collections
 import contextlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -334,3 +335,14 @@ def count_dflash2_ops(namespace: str = "dflash2", *, record: tuple[str, ...] = (
     counter = _OpCounter(namespace, record)
     with counter:
         yield counter
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One OpenMP thread for a module of tests on these tiny models: with two threads on
+    a busy two-core machine every op waits on a thread wake-up, 100x slower than the work
+    itself. Use: ``pytestmark = pytest.mark.usefixtures("one_thread")`` after importing it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
