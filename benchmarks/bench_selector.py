@@ -1,19 +1,31 @@
-"""Benchmark the candidate selector's training op: ours vs the eager reference vs
-torch.compile of it.
+"""Benchmark the candidate selector's training path: ours vs the eager reference vs
+torch.compile of it, with the shared floor beside them.
 
     python benchmarks/bench_selector.py [--out results.jsonl] [--no-compile] [--quick]
 
-Times ``CandidateSelector.score_candidates`` (the hidden projection, the gather of the
-unary logits at the top-k candidates, the bilinear transition scores) forward;
-forward+backward with gradients for every input (the unary logits, the hidden states,
-the three parameters), as in training; and forward+backward without the unary
-logits' gradient ("no dU"), which shows the selector's own cost: the dense [N, V]
-logits gradient costs ours and the reference the same. Reports median / p20 / p80 ms, the
-peak memory beyond the inputs, and GB/s over the minimal bytes: each operand read
-once (for B: the k gathered rows per position), each output and gradient written
-once (the gradient of full-vocabulary logits is a dense [N, V] tensor, as autograd
-requires). On CUDA: N in {4096, 16384}, V = 248,320, r = 256, k = 16, H = 5120, bf16;
-on CPU: N = 4096, V = 32,000, H = 1024, fp32.
+Every case is one of the two ways the drafters call the selector:
+
+- ``score_candidates`` (speculators): full-vocabulary unary logits [N, V], gathered at
+  the k candidates inside the op, so the logits' gradient is a dense [N, V] tensor;
+- ``pair_scores`` (NeMo): unary values already gathered, [N, k];
+
+at two levels:
+
+- ``module``: from the hidden states, the hidden projection P = W h included, as the
+  drafters call it (``CandidateSelector.score_candidates`` / ``.pair_scores``);
+- ``op``: given P, the selector's own work (the public ``dk.score_candidates`` /
+  ``dk.pair_scores``);
+
+forward, and forward+backward with gradients for every input. Each case runs ours, the
+eager reference (speculators' / NeMo's formula on plain PyTorch), ``torch.compile`` of
+that reference, and, where one exists, the **floor**: the work every implementation
+shares, timed alone with plain PyTorch (the projection GEMMs at module level; the dense
+[N, V] logits gradient, a zero fill of fresh memory, for ``score_candidates``' backward).
+The table reports median / p20 / p80 ms, the peak memory beyond the inputs, GB/s over
+the minimal bytes, how many times faster ours is, and ours as a percent of the floor.
+
+CUDA: N in {4096, 16384}, V = 248,320, H = 5120, r = 256, k = 16, bf16. CPU: N = 4096,
+V = 32,000, H = 1024, k = 16, r in {64, 256}, fp32.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +45,9 @@ from dflash2_kernels import reference  # noqa: E402
 from common import (  # noqa: E402
     Row, peak_extra_bytes, print_table, start_run, time_fn, write_records,
 )
+
+APIS = ("score_candidates", "pair_scores")
+LEVELS = ("module", "op")
 
 
 @dataclass(frozen=True)
@@ -45,90 +61,151 @@ class Shape:
 
     @property
     def name(self) -> str:
-        return f"N{self.rows} V{self.vocab} H{self.hidden} {str(self.dtype).removeprefix('torch.')}"
+        return (f"N{self.rows} V{self.vocab} H{self.hidden} r{self.rank} "
+                f"{str(self.dtype).removeprefix('torch.')}")
 
 
 GPU_SHAPES = [Shape(4096, 248_320, 5120, torch.bfloat16), Shape(16384, 248_320, 5120, torch.bfloat16)]
-CPU_SHAPES = [Shape(4096, 32_000, 1024, torch.float32)]
+CPU_SHAPES = [Shape(4096, 32_000, 1024, torch.float32, rank=64), Shape(4096, 32_000, 1024, torch.float32, rank=256)]
 
 
-def reference_score_candidates(selector, unary_logits, hidden, predecessor_ids, candidate_ids):
-    """speculators' score_candidates, as upstream computes it."""
-    return reference.selector_score_candidates(
-        unary_logits,
-        selector.hidden_projection(hidden),
-        selector.predecessor_codebook,
-        selector.successor_codebook,
-        predecessor_ids,
-        candidate_ids,
-    )
+class Inputs:
+    """One shape's tensors: the selector's parameters, h, P, the logits, their gathered
+    values, ids and the upstream gradient."""
+
+    def __init__(self, shape: Shape, device: torch.device):
+        torch.manual_seed(0)
+        self.selector = dk.CandidateSelector(shape.vocab, shape.hidden, shape.rank, shape.top_k).to(device, shape.dtype)
+        with torch.no_grad():  # upstream initialises B to zero; trained codebooks are not
+            self.selector.successor_codebook.normal_(0.0, 0.02)
+        self.hidden = torch.randn(shape.rows, shape.hidden, device=device, dtype=shape.dtype)
+        self.logits = torch.randn(shape.rows, shape.vocab, device=device, dtype=shape.dtype)
+        self.predecessors = torch.randint(0, shape.vocab, (shape.rows,), device=device)
+        self.candidates = self.logits.topk(shape.top_k, dim=-1).indices
+        self.unary = self.logits.gather(-1, self.candidates)
+        with torch.no_grad():
+            self.projected = self.selector.hidden_projection(self.hidden)
+        self.grad = torch.randn(shape.rows, shape.top_k, device=device, dtype=shape.dtype)
+        self.grad_projected = torch.randn_like(self.projected)
+
+    @property
+    def codebooks(self):
+        return self.selector.predecessor_codebook, self.selector.successor_codebook
 
 
-def minimal_bytes(shape: Shape, grads: str) -> int:
-    """grads: "forward" (none), "all" (dU too), or "no_unary" (all but dU)."""
+def implementations(api: str, level: str, inputs: Inputs):
+    """(ours, reference) as functions of (first, unary): ``first`` is h (module) or P (op),
+    ``unary`` the logits [N, V] or the gathered values [N, k]."""
+    sel = inputs.selector
+    pred, cand = inputs.predecessors, inputs.candidates
+    if level == "module":
+        if api == "score_candidates":
+            ours = lambda h, u: sel.score_candidates(u, h, pred, cand)  # noqa: E731
+            ref = lambda h, u: reference.selector_score_candidates(  # noqa: E731
+                u, sel.hidden_projection(h), sel.predecessor_codebook, sel.successor_codebook, pred, cand)
+        else:
+            ours = lambda h, u: sel.pair_scores(h, u, cand, pred)  # noqa: E731
+            ref = lambda h, u: reference.selector_pair_scores(  # noqa: E731
+                sel.hidden_projection(h), u, sel.predecessor_codebook, sel.successor_codebook, cand, pred)
+        return ours, ref
+    if api == "score_candidates":
+        ours = lambda p, u: dk.score_candidates(u, p, *inputs.codebooks, pred, cand)  # noqa: E731
+        ref = lambda p, u: reference.selector_score_candidates(u, p, *inputs.codebooks, pred, cand)  # noqa: E731
+    else:
+        ours = lambda p, u: dk.pair_scores(p, u, *inputs.codebooks, cand, pred)  # noqa: E731
+        ref = lambda p, u: reference.selector_pair_scores(p, u, *inputs.codebooks, cand, pred)  # noqa: E731
+    return ours, ref
+
+
+def floor(api: str, level: str, backward: bool, inputs: Inputs, shape: Shape):
+    """The shared work alone, or None where the case has none worth a row."""
+    sel = inputs.selector
+    dense_unary_grad = backward and api == "score_candidates"
+    if level == "op" and not dense_unary_grad:
+        return None
+
+    def shared():
+        out = []
+        if level == "module":
+            if backward:  # P = W h, dh = dP W, dW = dP^T h
+                h = inputs.hidden.detach().requires_grad_()
+                out += torch.autograd.grad(F.linear(h, sel.hidden_projection.weight), [h, sel.hidden_projection.weight],
+                                           inputs.grad_projected)
+            else:
+                with torch.no_grad():
+                    out.append(F.linear(inputs.hidden, sel.hidden_projection.weight))
+        if dense_unary_grad:  # autograd's dU: an [N, V] tensor, zero but at N k entries
+            out.append(torch.zeros(shape.rows, shape.vocab, device=inputs.hidden.device, dtype=shape.dtype))
+        return out
+
+    return shared
+
+
+def minimal_bytes(shape: Shape, api: str, level: str, backward: bool) -> int:
+    """Each operand read once (B: the k gathered rows per position), each result and
+    gradient written once (dU of full logits, dA and dB are dense, as autograd requires)."""
     size = torch.empty((), dtype=shape.dtype).element_size()
-    n, k, r = shape.rows, shape.top_k, shape.rank
+    n, k, r, v = shape.rows, shape.top_k, shape.rank, shape.vocab
     projection = (shape.hidden * r + n * shape.hidden + n * r) * size  # read W, h; write P
     scores = (n * k + n * r + n * r + n * k * r + n * k) * size  # U at k ids, P, A rows, B rows; write S
-    forward = projection + scores
-    if grads == "forward":
-        return forward
-    dense_grads = 2 * shape.vocab * r * size  # dA, dB are dense tensors
-    if grads == "all":
-        dense_grads += n * shape.vocab * size  # and so is dU
-    backward_bytes = (n * k + n * k * r + 2 * n * r + n * r) * size + dense_grads  # dS, B rows, A, P; write dP
-    backward_bytes += 2 * projection  # dh = dP W, dW = dP^T h
-    return forward + backward_bytes
+    total = scores + (projection if level == "module" else 0)
+    if not backward:
+        return total
+    total += (n * k + n * k * r + 2 * n * r + n * r) * size + 2 * v * r * size  # dS, B rows, A, P; dP, dA, dB
+    total += (n * v if api == "score_candidates" else n * k) * size  # dU
+    if level == "module":
+        total += 2 * projection  # dh = dP W, dW = dP^T h
+    return total
 
 
 def main() -> None:
-    run = start_run(__doc__, quick_help="the first shape only")
+    run = start_run(__doc__, quick_help="the first shape, op level only")
     args, device, env, copy_gbps = run.args, run.device, run.env, run.copy_gbps
-
-    impls = {"ours": lambda s, *a: s.score_candidates(*a), "reference": reference_score_candidates}
-    if not args.no_compile:
-        impls["compiled reference"] = torch.compile(reference_score_candidates, dynamic=False)
     shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    levels = LEVELS
     if args.quick:
-        shapes = shapes[:1]
+        shapes, levels = shapes[:1], ("op",)
 
     rows: list[Row] = []
     for shape in shapes:
-        torch.manual_seed(0)
-        selector = dk.CandidateSelector(shape.vocab, shape.hidden, shape.rank, shape.top_k).to(device, shape.dtype)
-        hidden = torch.randn(shape.rows, shape.hidden, device=device, dtype=shape.dtype)
-        logits = torch.randn(shape.rows, shape.vocab, device=device, dtype=shape.dtype)
-        predecessors = torch.randint(0, shape.vocab, (shape.rows,), device=device)
-        candidates = logits.topk(shape.top_k, dim=-1).indices
-        grad = torch.randn(shape.rows, shape.top_k, device=device, dtype=shape.dtype)
-        frozen_logits = logits.clone()
-        leaves = [hidden.requires_grad_(), logits.requires_grad_(), *selector.parameters()]
-
-        for impl, score in impls.items():
-            def forward(score=score):
-                with torch.no_grad():
-                    return score(selector, logits, hidden, predecessors, candidates)
-
-            def forward_backward(score=score):
-                out = score(selector, logits, hidden, predecessors, candidates)
-                return torch.autograd.grad(out, leaves, grad)
-
-            def forward_backward_frozen_logits(score=score):
-                out = score(selector, frozen_logits, hidden, predecessors, candidates)
-                return torch.autograd.grad(out, [leaves[0], *leaves[2:]], grad)
-
-            modes = (("fwd", forward, "forward"), ("fwd+bwd", forward_backward, "all"),
-                     ("fwd+bwd no dU", forward_backward_frozen_logits, "no_unary"))
-            for label, fn, grads in modes:
-                timing = time_fn(fn, device, reps=10)
-                peak = peak_extra_bytes(fn, device)
-                extra = {"peak_extra_mib": None if peak is None else peak / 2**20}
-                rows.append(Row("selector", f"{label} {shape.name}", impl, timing, minimal_bytes(shape, grads),
-                                copy_gbps, extra))
-        del selector, hidden, logits, leaves
+        inputs = Inputs(shape, device)
+        params = [inputs.selector.hidden_projection.weight, *inputs.codebooks]
+        for level in levels:
+            for api in APIS:
+                first = inputs.hidden if level == "module" else inputs.projected
+                unary = inputs.logits if api == "score_candidates" else inputs.unary
+                leaves = [first.detach().requires_grad_(), unary.detach().requires_grad_()]
+                grad_leaves = leaves + (params if level == "module" else params[1:])
+                ours, ref = implementations(api, level, inputs)
+                impls = {"ours": ours, "reference": ref}
+                if not args.no_compile:
+                    impls["compiled reference"] = torch.compile(ref, dynamic=False)
+                for backward in (False, True):
+                    label = f"{level} {api} {'fwd+bwd' if backward else 'fwd'} {shape.name}"
+                    nbytes = minimal_bytes(shape, api, level, backward)
+                    timed = dict(impls)
+                    shared = floor(api, level, backward, inputs, shape)
+                    for impl, fn in timed.items():
+                        if backward:
+                            call = lambda fn=fn: torch.autograd.grad(fn(*leaves), grad_leaves, inputs.grad)  # noqa: E731
+                        else:
+                            def call(fn=fn):
+                                with torch.no_grad():
+                                    return fn(*leaves)
+                        rows.append(_measure(call, device, label, impl, nbytes, copy_gbps))
+                    if shared is not None:
+                        rows.append(_measure(shared, device, label, "floor", nbytes, copy_gbps))
+        del inputs
 
     print_table(rows)
     write_records(rows, env, args.out)
+
+
+def _measure(fn, device, case: str, impl: str, nbytes: int, copy_gbps: float) -> Row:
+    timing = time_fn(fn, device, reps=10)
+    peak = peak_extra_bytes(fn, device)
+    return Row("selector", case, impl, timing, nbytes, copy_gbps,
+               {"peak_extra_mib": None if peak is None else peak / 2**20})
 
 
 if __name__ == "__main__":

@@ -214,25 +214,35 @@ class Row:
         return {**env, **asdict(self), "gbps": self.gbps, "pct_copy_bw": 100 * self.gbps / self.copy_gbps}
 
 
+FLOOR_IMPL = "floor"
+
+
 def print_table(rows: list[Row], baseline_impl: str = "ours") -> None:
     """A fixed-width table; speedups are the baseline's against each other implementation.
-    Rows carrying ``extra['peak_extra_mib']`` get a memory column."""
+    Rows carrying ``extra['peak_extra_mib']`` get a memory column; rows of the shared
+    floor (impl ``floor``: the work every implementation must do, timed alone) get ours
+    as a percent of it."""
     ours = {r.case: r for r in rows if r.impl == baseline_impl}
     with_memory = any("peak_extra_mib" in r.extra for r in rows)
-    header = f"{'case':44} {'impl':18} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
+    with_floor = any(r.impl == FLOOR_IMPL for r in rows)
+    header = f"{'case':58} {'impl':18} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
     header += f" {'peak MiB':>9}" if with_memory else ""
+    header += f" {'ours %floor':>11}" if with_floor else ""
     print(header)
     print("-" * len(header))
-    for r in rows:
+    first_seen = {case: i for i, case in reversed(list(enumerate(r.case for r in rows)))}
+    for r in sorted(rows, key=lambda r: first_seen[r.case]):  # stable: each case's rows together
         base = ours.get(r.case)
         speedup = f"{r.timing.median_ms / base.timing.median_ms:7.2f}" if base and r is not base else "       "
         line = (
-            f"{r.case:44} {r.impl:18} {r.timing.median_ms:10.4f} {r.timing.p20_ms:9.4f} {r.timing.p80_ms:9.4f} "
+            f"{r.case:58} {r.impl:18} {r.timing.median_ms:10.4f} {r.timing.p20_ms:9.4f} {r.timing.p80_ms:9.4f} "
             f"{r.gbps:8.1f} {100 * r.gbps / r.copy_gbps:6.1f} {speedup}"
         )
         if with_memory:
             peak = r.extra.get("peak_extra_mib")
             line += f" {peak:9.1f}" if peak is not None else f" {'-':>9}"
+        if with_floor and r.impl == FLOOR_IMPL and base:
+            line += f" {100 * base.timing.median_ms / r.timing.median_ms:10.0f}%"
         print(line)
 
 

@@ -279,6 +279,65 @@ DFLASH2_ROW_KERNEL void forward_rows(const ConvInputs<acc_t>& in, const Rows& ou
   }
 }
 
+// forward_rows for float accumulation, x rows of type X and out rows of type O (each
+// float or bfloat16), group size a multiple of kWidth: each kWidth-channel chunk lies in
+// one group, and all taps of a chunk are summed in registers before its one store, with
+// no converted copies of x or out rows (cpu_row_kernel.h widens and rounds bfloat16 in
+// registers). The same products in the same tap order as forward_rows: the same bits,
+// at either width.
+template <typename X, typename O, int kWidth>
+DFLASH2_INLINE void forward_rows_lanes(const ConvInputs<float>& in, const Rows& out, int64_t first_row, int64_t end_row) {
+  const ConvShape& shape = in.shape;
+  const int64_t hidden = shape.hidden, groups = shape.groups, group_size = shape.group_size;
+  std::vector<float> delta_scratch(shape.taps * groups);
+  std::vector<const float*> delta_rows(shape.taps);
+  std::vector<const X*> x_rows(shape.taps);
+  for (int64_t n = first_row; n < end_row; ++n) {
+    const int64_t read_taps = std::min(shape.taps, n % in.block_size + 1);
+    for (int64_t tau = 0; tau < read_taps; ++tau) {
+      x_rows[tau] = reinterpret_cast<const X*>(in.x.at(n - tau));
+      delta_rows[tau] = read_as(in.delta.at(n, tau), in.delta.type, groups, delta_scratch.data() + tau * groups);
+    }
+    O* out_row = reinterpret_cast<O*>(out.at(n));
+    for (int64_t c = 0, g = 0; c < hidden; g += 1) {
+      for (const int64_t group_end = c + group_size; c < group_end; c += kWidth) {
+        auto sum = (load_floats<kWidth>(in.base_x + c) + delta_rows[0][g]) * load_floats<kWidth>(x_rows[0] + c);
+        for (int64_t tau = 1; tau < read_taps; ++tau) {
+          sum += (load_floats<kWidth>(in.base_x + tau * hidden + c) + delta_rows[tau][g]) *
+                 load_floats<kWidth>(x_rows[tau] + c);
+        }
+        store_floats<kWidth>(out_row + c, sum);
+      }
+    }
+  }
+}
+
+template <typename X, typename O>
+DFLASH2_ROW_KERNEL void forward_rows_in_registers(
+    const ConvInputs<float>& in, const Rows& out, int64_t first_row, int64_t end_row) {
+  forward_rows_lanes<X, O, 8>(in, out, first_row, end_row);
+}
+
+#if DFLASH2_HAS_AVX512_KERNELS
+template <typename X, typename O>
+DFLASH2_AVX512_KERNEL void forward_rows_in_avx512_registers(
+    const ConvInputs<float>& in, const Rows& out, int64_t first_row, int64_t end_row) {
+  forward_rows_lanes<X, O, 16>(in, out, first_row, end_row);
+}
+#endif
+
+// Runs f(X{}, O{}) when forward_rows_in_registers covers these operands; false if not.
+template <typename F>
+bool with_register_forward(const at::Tensor& x, at::ScalarType out_dtype, int64_t group_size, bool double_acc,
+                           const F& f) {
+  if (double_acc || group_size % 8 != 0) return false;
+  const auto x_type = x.scalar_type();
+  if (x_type == at::kFloat && out_dtype == at::kFloat) return f(float{}, float{}), true;
+  if (x_type == at::kBFloat16 && out_dtype == at::kBFloat16) return f(c10::BFloat16{}, c10::BFloat16{}), true;
+  if (x_type == at::kBFloat16 && out_dtype == at::kFloat) return f(c10::BFloat16{}, float{}), true;
+  return false;
+}
+
 // dx and ddelta rows [first_row, end_row), and their dbase terms summed into partial
 // [K, H] (double, zeroed here). Each row is one sweep over the groups doing every tap of
 // dx, ddelta and dbase, so that the three rows it touches first (grad_out n + K - 1, x n,
@@ -371,13 +430,29 @@ at::Tensor grouped_dynamic_conv_forward_cpu(
   const at::ScalarType acc_type = any_double({&x, &delta, &base}) ? at::kDouble : at::kFloat;
   const at::Tensor base_x = rounded_base(base, x, acc_type);
   const int64_t grain_rows = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, shape.hidden));
-  AT_DISPATCH_FLOATING_TYPES(acc_type, "grouped_dynamic_conv_forward_cpu", [&] {
-    const ConvInputs<scalar_t> in{Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), shape, block_size};
-    const Rows out_rows(out);
-    at::parallel_for(0, shape.rows, grain_rows, [&](int64_t first_row, int64_t end_row) {
-      forward_rows(in, out_rows, first_row, end_row);
+  const Rows out_rows(out);
+  const bool in_registers = with_register_forward(
+      x, out_dtype, shape.group_size, acc_type == at::kDouble, [&](auto x_tag, auto out_tag) {
+        const ConvInputs<float> in{Rows(x), Rows(delta), base_x.const_data_ptr<float>(), shape, block_size};
+        using X = decltype(x_tag);
+        using O = decltype(out_tag);
+        const bool avx512 = cpu_has_avx512() && shape.group_size % 16 == 0;
+        at::parallel_for(0, shape.rows, grain_rows, [&](int64_t first_row, int64_t end_row) {
+#if DFLASH2_HAS_AVX512_KERNELS
+          if (avx512) return forward_rows_in_avx512_registers<X, O>(in, out_rows, first_row, end_row);
+#endif
+          forward_rows_in_registers<X, O>(in, out_rows, first_row, end_row);
+        });
+        (void)avx512;
+      });
+  if (!in_registers) {
+    AT_DISPATCH_FLOATING_TYPES(acc_type, "grouped_dynamic_conv_forward_cpu", [&] {
+      const ConvInputs<scalar_t> in{Rows(x), Rows(delta), base_x.const_data_ptr<scalar_t>(), shape, block_size};
+      at::parallel_for(0, shape.rows, grain_rows, [&](int64_t first_row, int64_t end_row) {
+        forward_rows(in, out_rows, first_row, end_row);
+      });
     });
-  });
+  }
   return out;
 }
 

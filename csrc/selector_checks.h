@@ -160,9 +160,10 @@ inline float kernel_temperature(double temperature) {
   return value;
 }
 
-// The backward's results, allocated alike on every device: dU is dS cast when the
-// logits came gathered, else a zero-filled [N, V] written at the gathered entries;
-// dA and dB are zero-filled (only rows of ids in use are written).
+// The backward's results. dU is dS cast when the logits came gathered, else [N, V]
+// written only at the gathered entries; dA and dB are [V, r] written only at rows of ids
+// in use. With zero_filled (the CUDA kernels) those are zero-filled here; without it
+// (the CPU kernels) the kernel writes every element itself, in the same pass.
 struct SelectorGradients {
   at::Tensor unary;
   at::Tensor projected;
@@ -173,15 +174,19 @@ struct SelectorGradients {
 inline SelectorGradients allocate_selector_gradients(const at::Tensor& grad, const at::Tensor& projected,
                                                      const at::Tensor& predecessor_codebook,
                                                      const SelectorShape& shape, bool unary_gathered,
-                                                     int64_t unary_width, at::ScalarType unary_dtype) {
+                                                     int64_t unary_width, at::ScalarType unary_dtype,
+                                                     bool zero_filled) {
   const auto options = projected.options();
+  const auto table = [&](at::IntArrayRef sizes, const at::TensorOptions& table_options) {
+    return zero_filled ? at::zeros(sizes, table_options) : empty_output(sizes, table_options);
+  };
   return SelectorGradients{
       // A copy even in the same dtype: an output never aliases grad_scores.
       unary_gathered ? grad.to(unary_dtype, /*non_blocking=*/false, /*copy=*/true)
-                     : at::zeros({shape.rows, unary_width}, options.dtype(unary_dtype)),
+                     : table({shape.rows, unary_width}, options.dtype(unary_dtype)),
       empty_output({shape.rows, shape.rank}, options),
-      at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options()),
-      at::zeros(predecessor_codebook.sizes(), predecessor_codebook.options()),
+      table(predecessor_codebook.sizes(), predecessor_codebook.options()),
+      table(predecessor_codebook.sizes(), predecessor_codebook.options()),
   };
 }
 

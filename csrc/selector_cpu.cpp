@@ -1,11 +1,20 @@
-// C++ CPU kernels of the selector ops: the same per-row math as the CUDA kernels
-// (kernels/selector_math.h), parallel over rows with at::parallel_for. dA and dB are
-// sums over rows grouped by id; as on CUDA they run over stably sorted ids, one
-// segment per task, so each id's terms are added in one fixed order whatever the
-// number of threads.
+// C++ CPU kernels of the selector ops: the same per-element math as the CUDA kernels
+// (kernels/selector_math.h), parallel with at::parallel_for.
+//
+// The work is gathers from [V, r] tables at random ids, so the passes are arranged for
+// memory, not arithmetic: the next rows' table rows are prefetched; a large batch's
+// transition terms run in candidate-id order (each B row read once, as a stream); the
+// full-vocabulary unary entries are gathered in a pass of their own, where their misses
+// overlap; and the dense results (dU [N, V], dA, dB) are written whole in one pass, with
+// no separate zero fill, into huge-page-backed memory (output_alloc.h). dA and dB are
+// sums over rows grouped by id; they run over a stable counting sort of the ids, so each
+// id's terms are added in one fixed order whatever the number of threads.
 #include <ATen/Parallel.h>
 #include <torch/all.h>
 
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_row_kernel.h"
@@ -38,30 +47,57 @@ void store_dynamic(void* base, int64_t index, at::ScalarType type, double value)
   }
 }
 
+// Calls f(T{}) for a float dtype: float16, bfloat16, float32 or float64.
+template <typename F>
+void dispatch_float(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    case at::kDouble: return f(double{});
+    default: TORCH_CHECK_TYPE(false, "unsupported dtype ", type);
+  }
+}
+
 // Calls f(W{}, P{}) for the codebook dtype W and the projected dtype P (W or float).
 template <typename F>
 void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
-  auto with_projected = [&](auto codebook_tag) {
+  dispatch_float(codebook, [&](auto codebook_tag) {
     using W = decltype(codebook_tag);
     if (projected == codebook) {
       f(codebook_tag, W{});
     } else {
       f(codebook_tag, float{});
     }
-  };
-  switch (codebook) {
-    case at::kFloat: return with_projected(float{});
-    case at::kHalf: return with_projected(at::Half{});
-    case at::kBFloat16: return with_projected(at::BFloat16{});
-    case at::kDouble: return with_projected(double{});
-    default: TORCH_CHECK_TYPE(false, "unsupported codebook dtype ", codebook);
-  }
+  });
 }
 
 // y[rho] += a * x[rho]: g's accumulation over a row's candidates.
 template <typename Acc, typename T>
-DFLASH2_ROW_KERNEL void scaled_add(Acc* y, Acc a, const T* x, int64_t length) {
+DFLASH2_ROW_KERNEL void scaled_add(Acc* __restrict y, Acc a, const T* __restrict x, int64_t length) {
   for (int64_t rho = 0; rho < length; ++rho) y[rho] += a * static_cast<Acc>(x[rho]);
+}
+
+// y[rho] += x[rho]: a dA term.
+template <typename Sum, typename T>
+DFLASH2_ROW_KERNEL void add_row(Sum* __restrict y, const T* __restrict x, int64_t length) {
+  for (int64_t rho = 0; rho < length; ++rho) y[rho] += static_cast<Sum>(x[rho]);
+}
+
+// The rows a row reads (its A row, its k B rows) lie anywhere in tables of up to V
+// rows: each is a cache miss, and a loop that waits for one before asking for the next
+// runs at memory latency. Rows this far ahead are requested early, so their misses
+// overlap the current row's arithmetic. An entry of a sum over ids reads a single
+// [N, r] row, so the same lead in time is more entries than rows.
+constexpr int64_t kPrefetchRows = 4;
+constexpr int64_t kPrefetchEntries = 16;
+constexpr int64_t kCacheLine = 64;
+
+template <typename T>
+inline void prefetch_elements(const T* first, int64_t count) {
+  const char* begin = reinterpret_cast<const char*>(first);
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+  for (int64_t byte = 0; byte < bytes; byte += kCacheLine) __builtin_prefetch(begin + byte);
 }
 
 struct Rows {
@@ -93,56 +129,251 @@ struct TypedRows {
   const P* p(int64_t row) const { return p_table + row * p_stride; }
 };
 
+// Requests row n's A, P and B rows.
 template <typename W, typename P>
-void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gathered, at::Tensor& scores) {
-  using Acc = accumulator_t<W>;
-  const auto& shape = rows.shape;
-  const TypedRows<W, P> rows_of(rows);
-  const void* u = unary.data_ptr();
-  const int64_t u_stride = unary.stride(0);
-  void* s = scores.data_ptr();
+inline void prefetch_row_operands(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t n) {
+  const int64_t rank = rows.shape.rank, top_k = rows.shape.top_k;
+  prefetch_elements(rows_of.a(rows.predecessor_ids[n]), rank);
+  prefetch_elements(rows_of.p(n), rank);
+  const int64_t* candidates = rows.candidate_ids + n * top_k;
+  for (int64_t j = 0; j < top_k; ++j) prefetch_elements(rows_of.b(candidates[j]), rank);
+}
 
+// The entries of `ids` (values in [0, vocab)) grouped by id, stably: a counting sort.
+// entries[starts[id] .. starts[id + 1]) are the flat indices holding id, in order.
+struct IdSegments {
+  std::vector<int64_t> starts;   // [vocab + 1]
+  std::vector<int64_t> entries;  // [ids.size]
+};
+
+// Chunks of entries, one per thread, each counted into its own histogram; a chunk's
+// entries of an id go after the earlier chunks' entries of that id, so the order is the
+// stable one whatever the number of threads.
+IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab) {
+  constexpr int64_t kMinEntriesPerChunk = 8192;
+  const int64_t chunks = std::clamp<int64_t>(count / kMinEntriesPerChunk, 1, at::get_num_threads());
+  const auto chunk_begin = [&](int64_t chunk) { return chunk * count / chunks; };
+  std::vector<int64_t> next(chunks * vocab, 0);  // [chunk, id]: a count, then where its next entry goes
+  at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
+    for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
+      int64_t* counts = next.data() + chunk * vocab;
+      for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) ++counts[ids[e]];
+    }
+  });
+  IdSegments segments{std::vector<int64_t>(vocab + 1), std::vector<int64_t>(count)};
+  int64_t running = 0;
+  for (int64_t id = 0; id < vocab; ++id) {
+    segments.starts[id] = running;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t entries = next[chunk * vocab + id];
+      next[chunk * vocab + id] = running;
+      running += entries;
+    }
+  }
+  segments.starts[vocab] = running;
+  at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
+    for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
+      int64_t* slots = next.data() + chunk * vocab;
+      for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) segments.entries[slots[ids[e]]++] = e;
+    }
+  });
+  return segments;
+}
+
+// Row n's context A[pred[n]] * P[n], in Acc.
+template <typename W, typename P, typename Acc>
+inline void context_of_row(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t n, Acc* context) {
+  const W* a = rows_of.a(rows.predecessor_ids[n]);
+  const P* p = rows_of.p(n);
+  for (int64_t rho = 0; rho < rows.shape.rank; ++rho) {
+    context[rho] = context_term(static_cast<Acc>(a[rho]), static_cast<Acc>(p[rho]));
+  }
+}
+
+// Whether the transition terms run in candidate-id order: when the N k candidate rows
+// of B read in row order (each a miss anywhere in [V, r]) are at least twice the rows
+// of B, reading each B row in use once, in id order (a forward stream), and the N x r
+// contexts at random (a table V / (N k / 2) times smaller) moves less from memory (at
+// r = 64 and 256 alike on this project's machines). Below 2^18 products the counting
+// sort's O(V) set-up outweighs what it saves.
+bool transitions_by_candidate(const SelectorShape& shape) {
+  const int64_t entries = shape.rows * shape.top_k;
+  return entries >= 2 * shape.vocab && entries * shape.rank >= (int64_t(1) << 18);
+}
+
+// transition[n k + j] = lane_dot(A[pred[n]] * P[n], B[cand[n, j]]), in row order: per
+// row, its context, then its k candidates, the next rows' operands requested early.
+template <typename W, typename P, typename Acc>
+void transitions_in_row_order(const TypedRows<W, P>& rows_of, const Rows& rows, Acc* transition) {
+  const auto& shape = rows.shape;
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<Acc> context(shape.rank);
     for (int64_t n = begin; n < end; ++n) {
-      const W* a = rows_of.a(rows.predecessor_ids[n]);
-      const P* p = rows_of.p(n);
-      for (int64_t rho = 0; rho < shape.rank; ++rho) {
-        context[rho] = context_term(static_cast<Acc>(a[rho]), static_cast<Acc>(p[rho]));
-      }
-      for (int64_t j = 0; j < shape.top_k; ++j) {
-        const int64_t id = rows.candidate_ids[n * shape.top_k + j];
-        const Acc dot = lane_dot(context.data(), rows_of.b(id), shape.rank);
-        const int64_t column = unary_gathered ? j : id;
-        const double total = load_dynamic(u, n * u_stride + column, unary.scalar_type()) + static_cast<double>(dot);
-        store_dynamic(s, n * shape.top_k + j, scores.scalar_type(), total);
-      }
+      if (n + kPrefetchRows < end) prefetch_row_operands(rows_of, rows, n + kPrefetchRows);
+      context_of_row(rows_of, rows, n, context.data());
+      candidate_dots(context.data(), rows_of.b_table, rows_of.b_stride, rows.candidate_ids + n * shape.top_k,
+                     shape.top_k, shape.rank, transition + n * shape.top_k);
     }
   });
 }
 
-// Sums, per distinct id of `sorted_ids`, the rank-length terms of its entries (in
-// sorted order) and writes that row of `table` once.
-template <typename W, typename Term>
-void segmented_sum(const at::Tensor& sorted_ids, const at::Tensor& order, int64_t rank, at::Tensor& table,
-                   const Term& add_term) {
-  using Acc = accumulator_t<W>;
-  const int64_t* ids = sorted_ids.data_ptr<int64_t>();
-  const int64_t* original = order.data_ptr<int64_t>();
-  const int64_t entries = sorted_ids.numel();
-  std::vector<int64_t> starts;
-  for (int64_t e = 0; e < entries; ++e) {
-    if (e == 0 || ids[e] != ids[e - 1]) starts.push_back(e);
+// transition[entries[e]] for the entries e of ids [first_id, end_id): B row id read
+// once, dotted with each of its entries' contexts (row entry / k of contexts [N, r]).
+template <typename Acc, typename W, typename Dot>
+DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, const W* b_table, int64_t b_stride,
+                                           const int64_t* starts, const int64_t* entries, int64_t first_id,
+                                           int64_t end_id, int64_t top_k, int64_t rank, Acc* transition) {
+  const int64_t last_entry = starts[end_id];
+  for (int64_t id = first_id; id < end_id; ++id) {
+    const W* b = b_table + id * b_stride;
+    for (int64_t e = starts[id]; e < starts[id + 1]; ++e) {
+      if (e + kPrefetchEntries < last_entry) {
+        prefetch_elements(contexts + (entries[e + kPrefetchEntries] / top_k) * rank, rank);
+      }
+      transition[entries[e]] = dot(contexts + (entries[e] / top_k) * rank, b, rank);
+    }
   }
-  starts.push_back(entries);
+}
+
+template <typename Acc, typename W>
+DFLASH2_ROW_KERNEL void dots_by_candidate_clone(const Acc* contexts, const W* b_table, int64_t b_stride,
+                                                const int64_t* starts, const int64_t* entries, int64_t first_id,
+                                                int64_t end_id, int64_t top_k, int64_t rank, Acc* transition) {
+  dots_by_candidate_with([](const Acc* x, const W* y, int64_t n) { return lane_dot(x, y, n); }, contexts, b_table,
+                         b_stride, starts, entries, first_id, end_id, top_k, rank, transition);
+}
+
+#if DFLASH2_HAS_AVX512_KERNELS
+template <typename W>
+DFLASH2_AVX512_KERNEL void dots_by_candidate_avx512(const float* contexts, const W* b_table, int64_t b_stride,
+                                                    const int64_t* starts, const int64_t* entries, int64_t first_id,
+                                                    int64_t end_id, int64_t top_k, int64_t rank, float* transition) {
+  dots_by_candidate_with(
+      [](const float* x, const W* y, int64_t n) __attribute__((always_inline)) { return lane_dot_in<16>(x, y, n); },
+      contexts, b_table, b_stride, starts, entries, first_id, end_id, top_k, rank, transition);
+}
+#endif
+
+template <typename Acc, typename W>
+void dots_by_candidate(const Acc* contexts, const W* b_table, int64_t b_stride, const int64_t* starts,
+                       const int64_t* entries, int64_t first_id, int64_t end_id, int64_t top_k, int64_t rank,
+                       Acc* transition) {
+#if DFLASH2_HAS_AVX512_KERNELS
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (cpu_has_avx512()) {
+      return dots_by_candidate_avx512(contexts, b_table, b_stride, starts, entries, first_id, end_id, top_k, rank,
+                                      transition);
+    }
+  }
+#endif
+  dots_by_candidate_clone(contexts, b_table, b_stride, starts, entries, first_id, end_id, top_k, rank, transition);
+}
+
+// The same terms (the same lane_dot, the same bits) in candidate-id order: each B row in
+// use read once, its entries' contexts gathered from an [N, r] table.
+template <typename W, typename P, typename Acc>
+void transitions_by_candidate_order(const TypedRows<W, P>& rows_of, const Rows& rows, Acc* transition) {
+  const auto& shape = rows.shape;
+  const int64_t rank = shape.rank;
+  std::vector<Acc> contexts(shape.rows * rank);
+  at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (n + kPrefetchRows < end) prefetch_elements(rows_of.a(rows.predecessor_ids[n + kPrefetchRows]), rank);
+      context_of_row(rows_of, rows, n, contexts.data() + n * rank);
+    }
+  });
+  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, shape.rows * shape.top_k, shape.vocab);
+  const int64_t grain = std::max<int64_t>(1, shape.vocab / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, shape.vocab, grain, [&](int64_t begin, int64_t end) {
+    dots_by_candidate(contexts.data(), rows_of.b_table, rows_of.b_stride, by_candidate.starts.data(),
+                      by_candidate.entries.data(), begin, end, shape.top_k, rank, transition);
+  });
+}
+
+// scores[n, j] = U[n, j or cand[n, j]] + transition[n k + j], rounded once. A pass of
+// its own: k independent loads a row, which overlap where, interleaved with the
+// transition arithmetic, each full-vocabulary U entry (a miss in a 500 MB table) waited
+// alone.
+// A double result in T as store_dynamic rounds it: 16-bit types through float.
+template <typename T>
+inline T round_from_double(double value) {
+  if constexpr (std::is_same_v<T, double>) {
+    return value;
+  } else {
+    return static_cast<T>(static_cast<float>(value));
+  }
+}
+
+
+template <typename Acc>
+void add_unary(const Rows& rows, const at::Tensor& unary, bool unary_gathered, const Acc* transition,
+               at::Tensor& scores) {
+  const auto& shape = rows.shape;
+  const int64_t u_stride = unary.stride(0), top_k = shape.top_k;
+  const int64_t* ids = rows.candidate_ids;
+  dispatch_float(unary.scalar_type(), [&](auto unary_tag) {
+    dispatch_float(scores.scalar_type(), [&](auto score_tag) {
+      using U = decltype(unary_tag);
+      using S = decltype(score_tag);
+      const U* u = unary.const_data_ptr<U>();
+      S* out = scores.mutable_data_ptr<S>();
+      at::parallel_for(0, shape.rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          const U* u_row = u + n * u_stride;
+          for (int64_t j = 0; j < top_k; ++j) {
+            const int64_t flat = n * top_k + j;
+            const double total =
+                static_cast<double>(u_row[unary_gathered ? j : ids[flat]]) + static_cast<double>(transition[flat]);
+            out[flat] = round_from_double<S>(total);
+          }
+        }
+      });
+    });
+  });
+}
+
+template <typename W, typename P>
+void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gathered, at::Tensor& scores) {
+  using Acc = accumulator_t<W>;
+  const TypedRows<W, P> rows_of(rows);
+  std::vector<Acc> transition(rows.shape.rows * rows.shape.top_k);
+  if (transitions_by_candidate(rows.shape)) {
+    transitions_by_candidate_order(rows_of, rows, transition.data());
+  } else {
+    transitions_in_row_order(rows_of, rows, transition.data());
+  }
+  add_unary(rows, unary, unary_gathered, transition.data(), scores);
+}
+
+// table [V, r] in W: row id = sum over id's entries (in entry order) of their terms,
+// in double whatever W is, rounded once; rows of ids with no entry are zero. A float sum
+// missed SPEC section 4 at training sizes: an id's terms (~1,000 rows of a 64k-row batch
+// over a small vocabulary) form one serial chain, while torch's reference sums in a
+// tree. The terms are products of two floats, exact in double. The whole table is
+// written in id order, so it needs no separate zero fill. add_term(entry, acc) adds one
+// term; prefetch_term(entry) requests what a later entry's term reads.
+template <typename W, typename Term, typename Prefetch>
+void segmented_table(const IdSegments& segments, int64_t rank, at::Tensor& table, const Term& add_term,
+                     const Prefetch& prefetch_term) {
+  const int64_t vocab = static_cast<int64_t>(segments.starts.size()) - 1;
   W* out = table.data_ptr<W>();
-  at::parallel_for(0, static_cast<int64_t>(starts.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> acc(rank);
-    for (int64_t segment = begin; segment < end; ++segment) {
-      std::fill(acc.begin(), acc.end(), Acc(0));
-      for (int64_t e = starts[segment]; e < starts[segment + 1]; ++e) add_term(original[e], acc.data());
-      W* row = out + ids[starts[segment]] * rank;
-      for (int64_t rho = 0; rho < rank; ++rho) row[rho] = static_cast<W>(acc[rho]);
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, rank));
+  at::parallel_for(0, vocab, grain, [&](int64_t begin, int64_t end) {
+    std::vector<double> acc(rank);
+    const int64_t last_entry = segments.starts[end];
+    for (int64_t id = begin; id < end; ++id) {
+      W* row = out + id * rank;
+      const int64_t first = segments.starts[id], stop = segments.starts[id + 1];
+      if (first == stop) {
+        std::fill(row, row + rank, W(0));
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t e = first; e < stop; ++e) {
+        if (e + kPrefetchEntries < last_entry) prefetch_term(segments.entries[e + kPrefetchEntries]);
+        add_term(segments.entries[e], acc.data());
+      }
+      for (int64_t rho = 0; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
     }
   });
 }
@@ -152,40 +383,56 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
                      at::Tensor& grad_projected, at::Tensor& grad_predecessor, at::Tensor& grad_successor) {
   using Acc = accumulator_t<W>;
   const auto& shape = rows.shape;
+  const int64_t rank = shape.rank, top_k = shape.top_k;
   const TypedRows<W, P> rows_of(rows);
   const void* ds = grad.data_ptr();
   const auto ds_type = grad.scalar_type();
   P* dp_table = grad_projected.data_ptr<P>();
-  std::vector<Acc> projected_times_g(shape.rows * shape.rank);
+  // g = sum_j dS_j B[cand_j] runs in double (products of two floats are exact there),
+  // as do the sums over ids below: in float, a batch whose rows share dS and ids (a
+  // broadcast grad_scores) repeats g's rounding error in every row of an id's dA sum,
+  // past SPEC section 4. Per row: P * g (row n's dA term, double) and the context
+  // A[pred] * P (the dB terms' row vector, Acc), kept so that the sums over ids read
+  // one [N, r] row per term instead of an A row, a P row and a recomputation.
+  std::vector<double> projected_times_g(shape.rows * rank);
+  std::vector<Acc> contexts(shape.rows * rank);
+  char* du = unary_gathered ? nullptr : static_cast<char*>(grad_unary.data_ptr());
+  const int64_t du_row_bytes = unary_gathered ? 0 : grad_unary.stride(0) * grad_unary.element_size();
 
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> g(shape.rank);
+    std::vector<double> g(rank);
     for (int64_t n = begin; n < end; ++n) {
-      const int64_t* candidates = rows.candidate_ids + n * shape.top_k;
-      std::fill(g.begin(), g.end(), Acc(0));
-      for (int64_t j = 0; j < shape.top_k; ++j) {
-        const Acc weight = static_cast<Acc>(load_dynamic(ds, n * shape.top_k + j, ds_type));
-        scaled_add(g.data(), weight, rows_of.b(candidates[j]), shape.rank);
+      if (n + kPrefetchRows < end) prefetch_row_operands(rows_of, rows, n + kPrefetchRows);
+      const int64_t* candidates = rows.candidate_ids + n * top_k;
+      std::fill(g.begin(), g.end(), 0.0);
+      for (int64_t j = 0; j < top_k; ++j) {
+        scaled_add(g.data(), load_dynamic(ds, n * top_k + j, ds_type), rows_of.b(candidates[j]), rank);
       }
       const W* a = rows_of.a(rows.predecessor_ids[n]);
       const P* p = rows_of.p(n);
-      P* dp = dp_table + n * shape.rank;
-      Acc* pg = projected_times_g.data() + n * shape.rank;
-      for (int64_t rho = 0; rho < shape.rank; ++rho) {
-        dp[rho] = static_cast<P>(static_cast<Acc>(a[rho]) * g[rho]);
-        pg[rho] = static_cast<Acc>(p[rho]) * g[rho];
+      P* dp = dp_table + n * rank;
+      double* pg = projected_times_g.data() + n * rank;
+      Acc* context = contexts.data() + n * rank;
+      for (int64_t rho = 0; rho < rank; ++rho) {
+        const Acc a_rho = static_cast<Acc>(a[rho]), p_rho = static_cast<Acc>(p[rho]);
+        dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
+        pg[rho] = static_cast<double>(p_rho) * g[rho];
+        context[rho] = context_term(a_rho, p_rho);
       }
       if (unary_gathered) continue;
-      // Repeated ids in a row: their dS add up, rounded once, at the first occurrence.
-      for (int64_t j = 0; j < shape.top_k; ++j) {
+      // dU row n, whole: zeros (all-zero bits in every float dtype), then the candidates'
+      // dS, repeated ids summed and rounded once at their first occurrence. Written
+      // here, while the row is in cache, instead of after a separate [N, V] zero fill.
+      std::memset(du + n * du_row_bytes, 0, shape.vocab * grad_unary.element_size());
+      for (int64_t j = 0; j < top_k; ++j) {
         bool first_occurrence = true;
         for (int64_t earlier = 0; earlier < j && first_occurrence; ++earlier) {
           first_occurrence = candidates[earlier] != candidates[j];
         }
         if (!first_occurrence) continue;
         double total = 0.0;
-        for (int64_t later = j; later < shape.top_k; ++later) {
-          if (candidates[later] == candidates[j]) total += load_dynamic(ds, n * shape.top_k + later, ds_type);
+        for (int64_t later = j; later < top_k; ++later) {
+          if (candidates[later] == candidates[j]) total += load_dynamic(ds, n * top_k + later, ds_type);
         }
         store_dynamic(grad_unary.data_ptr(), n * grad_unary.stride(0) + candidates[j], grad_unary.scalar_type(),
                       total);
@@ -193,26 +440,19 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
     }
   });
 
-  const at::Tensor predecessor_ids = at::from_blob(const_cast<int64_t*>(rows.predecessor_ids), {shape.rows}, at::kLong);
-  const at::Tensor candidate_ids =
-      at::from_blob(const_cast<int64_t*>(rows.candidate_ids), {shape.rows * shape.top_k}, at::kLong);
-  const auto [predecessor_sorted, predecessor_order] = at::sort(predecessor_ids, /*stable=*/true, 0, false);
-  const auto [candidate_sorted, candidate_order] = at::sort(candidate_ids, /*stable=*/true, 0, false);
-
-  segmented_sum<W>(predecessor_sorted, predecessor_order, shape.rank, grad_predecessor,
-                   [&](int64_t n, Acc* acc) {
-                     const Acc* pg = projected_times_g.data() + n * shape.rank;
-                     for (int64_t rho = 0; rho < shape.rank; ++rho) acc[rho] += pg[rho];
-                   });
-  segmented_sum<W>(candidate_sorted, candidate_order, shape.rank, grad_successor, [&](int64_t flat, Acc* acc) {
-    const int64_t n = flat / shape.top_k;
-    const Acc weight = static_cast<Acc>(load_dynamic(ds, flat, ds_type));
-    const W* a = rows_of.a(rows.predecessor_ids[n]);
-    const P* p = rows_of.p(n);
-    for (int64_t rho = 0; rho < shape.rank; ++rho) {
-      acc[rho] += weight * context_term(static_cast<Acc>(a[rho]), static_cast<Acc>(p[rho]));
-    }
-  });
+  const IdSegments by_predecessor = segments_by_id(rows.predecessor_ids, shape.rows, shape.vocab);
+  segmented_table<W>(
+      by_predecessor, rank, grad_predecessor,
+      [&](int64_t n, double* acc) { add_row(acc, projected_times_g.data() + n * rank, rank); },
+      [&](int64_t n) { prefetch_elements(projected_times_g.data() + n * rank, rank); });
+  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, shape.rows * top_k, shape.vocab);
+  segmented_table<W>(
+      by_candidate, rank, grad_successor,
+      [&](int64_t flat, double* acc) {
+        const double weight = load_dynamic(ds, flat, ds_type);
+        scaled_add(acc, weight, contexts.data() + (flat / top_k) * rank, rank);
+      },
+      [&](int64_t flat) { prefetch_elements(contexts.data() + (flat / top_k) * rank, rank); });
 }
 
 at::Tensor selector_scores_cpu(const at::Tensor& unary, const at::Tensor& projected,
@@ -256,7 +496,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
   check_ids_in_range(predecessors, shape.vocab, "predecessor_ids");
   check_ids_in_range(candidates, shape.vocab, "candidate_ids");
   SelectorGradients grads = allocate_selector_gradients(grad, projected, predecessor_codebook, shape, unary_gathered,
-                                                        unary_width, unary_dtype);
+                                                        unary_width, unary_dtype, /*zero_filled=*/false);
   const Rows rows{projected,   predecessor_codebook, successor_codebook, predecessors.data_ptr<int64_t>(),
                   candidates.data_ptr<int64_t>(), shape};
   dispatch_types(predecessor_codebook.scalar_type(), projected.scalar_type(), [&](auto codebook_tag, auto projected_tag) {

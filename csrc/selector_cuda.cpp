@@ -86,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selector_scores_backw
   const auto accumulator = predecessor_codebook.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 
   SelectorGradients grads = allocate_selector_gradients(grad, projected, predecessor_codebook, shape, unary_gathered,
-                                                        unary_width, unary_dtype);
+                                                        unary_width, unary_dtype, /*zero_filled=*/true);
   at::Tensor projected_times_g = empty_output({shape.rows, shape.rank}, options.dtype(accumulator));
   at::Tensor partials = empty_output(
       {segment_chunks(shape.rows) + segment_chunks(shape.rows * shape.top_k), 2, shape.rank}, options.dtype(accumulator));

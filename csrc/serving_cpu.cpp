@@ -309,10 +309,9 @@ void edge_scores_position(int64_t n, const BlockShape& shape, const BlockBuffers
     for (int64_t rho = 0; rho < shape.rank; ++rho) {
       context[rho] = context_term(static_cast<float>(a[rho]), projected[rho]);
     }
-    for (int j = 0; j < k; ++j) {
-      const float dot = lane_dot(context, b_table + candidates[j] * b_stride, shape.rank);
-      scores[i * k + j] = round_to(unary[j] + dot, score_dtype);
-    }
+    float dots[kMaxServingTopK];
+    candidate_dots(context, b_table, b_stride, candidates, k, shape.rank, dots);
+    for (int j = 0; j < k; ++j) scores[i * k + j] = round_to(unary[j] + dots[j], score_dtype);
   }
   for (int i = distinct_rows; i < k; ++i) std::copy(scores, scores + k, scores + i * k);
 }

@@ -91,3 +91,49 @@ def test_fullgraph_compile_forward_and_backward(compile_backend):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     for a, b in zip([p.grad for p in model.parameters()] + [h.grad], expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _public_conv_with_grads(x, delta, base, block_size, group_size, dy):
+    leaves = [t.detach().requires_grad_() for t in (x, delta, base)]
+    out = dk.grouped_dynamic_conv(*leaves, block_size=block_size, group_size=group_size)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dy))
+
+
+@pytest.mark.skipif(not ops._cpu_kernel_available(), reason="the C++ CPU kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eager_cpu_path_equals_the_custom_op(dtype):
+    """In eager mode the public function skips the custom op's dispatch (ops._EagerCpuConv);
+    under a dispatch mode it takes the custom op. Both must give the same bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    x, delta, base, block_size, group_size = _op_args("cpu", dtype, requires_grad=False)
+    dy = torch.randn(x.shape, dtype=dtype)
+    eager = _public_conv_with_grads(x, delta, base, block_size, group_size, dy)
+    with SeenOps() as seen:
+        through_op = _public_conv_with_grads(x, delta, base, block_size, group_size, dy)
+    assert {"dflash2::grouped_dynamic_conv", "dflash2::grouped_dynamic_conv_backward"} <= seen.names
+    for a, b in zip(eager, through_op):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("route", ["public", "custom op"])
+def test_double_backward_raises(route):
+    """No second derivative is registered: asking for one raises on either route, never
+    a silent None or zero."""
+    x, delta, base, block_size, group_size = _op_args("cpu")
+    if route == "public":
+        out = dk.grouped_dynamic_conv(x, delta, base, block_size=block_size, group_size=group_size)
+    else:
+        out = grouped_dynamic_conv_op(x, delta, base, block_size, group_size)
+    (dx,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        torch.autograd.grad(dx.sum(), [x, delta], allow_unused=True)
