@@ -40,9 +40,15 @@ def _summary(samples_ms: list[float]) -> Timing:
     return Timing(statistics.median(samples_ms), _quantile(samples_ms, 0.2), _quantile(samples_ms, 0.8))
 
 
-def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 10.0) -> Timing:
-    """Per-call time of ``fn()``; stops early once ``budget_s`` seconds are spent."""
-    for _ in range(warmup):
+def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 10.0,
+            warmup_s: float = 0.25) -> Timing:
+    """Per-call time of ``fn()``; stops early once ``budget_s`` seconds are spent. Warms
+    up for ``warmup`` calls and at least ``warmup_s`` seconds: a process's first calls
+    also grow the allocator's heap and start the thread pool, page faults and all."""
+    warmup_end = time.perf_counter() + warmup_s
+    for _ in range(max(warmup, 1)):
+        fn()
+    while time.perf_counter() < warmup_end:
         fn()
     samples: list[float] = []
     if device.type == "cuda":

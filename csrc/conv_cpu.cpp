@@ -298,7 +298,7 @@ DFLASH2_INLINE void forward_rows_lanes(const ConvInputs<float>& in, const Rows& 
       x_rows[tau] = reinterpret_cast<const X*>(in.x.at(n - tau));
       delta_rows[tau] = read_as(in.delta.at(n, tau), in.delta.type, groups, delta_scratch.data() + tau * groups);
     }
-    O* out_row = reinterpret_cast<O*>(out.at(n));
+    O* __restrict out_row = reinterpret_cast<O*>(out.at(n));
     for (int64_t c = 0, g = 0; c < hidden; g += 1) {
       for (const int64_t group_end = c + group_size; c < group_end; c += kWidth) {
         auto sum = (load_floats<kWidth>(in.base_x + c) + delta_rows[0][g]) * load_floats<kWidth>(x_rows[0] + c);
