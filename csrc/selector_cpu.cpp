@@ -13,6 +13,7 @@
 #include <torch/all.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -190,15 +191,22 @@ inline void context_of_row(const TypedRows<W, P>& rows_of, const Rows& rows, int
   }
 }
 
-// Whether the transition terms run in candidate-id order: when the N k candidate rows
-// of B read in row order (each a miss anywhere in [V, r]) are at least twice the rows
-// of B, reading each B row in use once, in id order (a forward stream), and the N x r
-// contexts at random (a table V / (N k / 2) times smaller) moves less from memory (at
-// r = 64 and 256 alike on this project's machines). Below 2^18 products the counting
-// sort's O(V) set-up outweighs what it saves.
-bool transitions_by_candidate(const SelectorShape& shape) {
+// Whether the transition terms run in candidate-id order: when B is too large to stay
+// in the last-level cache (32 MB on this project's machines, shared with everything
+// else), each of the N k candidate rows read in row order is a DRAM miss; when they
+// are at least twice the rows of B, reading each B row in use once, in id order (a
+// forward stream), and the N x r contexts at random moves less from DRAM (r = 256 fp32,
+// B 32 MB: 1.25x the row order here). A B that stays in cache is read fastest in row
+// order, without the counting sort (r = 64, B 8 MB: the sort cost 1.6x).
+// DFLASH2_SELECTOR_ORDER=row or =candidate forces one order (the tests run both on
+// every case and expect the same bits); read on every call, as output_alloc.h's switch.
+bool transitions_by_candidate(const SelectorShape& shape, int64_t codebook_element_size) {
+  const char* forced = std::getenv("DFLASH2_SELECTOR_ORDER");
+  if (forced != nullptr && std::strcmp(forced, "row") == 0) return false;
+  if (forced != nullptr && std::strcmp(forced, "candidate") == 0) return true;
+  constexpr int64_t kCachedCodebookBytes = int64_t(16) << 20;
   const int64_t entries = shape.rows * shape.top_k;
-  return entries >= 2 * shape.vocab && entries * shape.rank >= (int64_t(1) << 18);
+  return shape.vocab * shape.rank * codebook_element_size > kCachedCodebookBytes && entries >= 2 * shape.vocab;
 }
 
 // transition[n k + j] = lane_dot(A[pred[n]] * P[n], B[cand[n, j]]), in row order: per
@@ -337,7 +345,7 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
   using Acc = accumulator_t<W>;
   const TypedRows<W, P> rows_of(rows);
   std::vector<Acc> transition(rows.shape.rows * rows.shape.top_k);
-  if (transitions_by_candidate(rows.shape)) {
+  if (transitions_by_candidate(rows.shape, sizeof(W))) {
     transitions_by_candidate_order(rows_of, rows, transition.data());
   } else {
     transitions_in_row_order(rows_of, rows, transition.data());

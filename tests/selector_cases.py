@@ -40,8 +40,8 @@ CASES = [
     SelectorCase((3,), 25, 8, 4, F32, F32, BF16),  # fp32 P over bf16 codebooks
     SelectorCase((5,), 17, 10, 4, F64, F64, F64),
     SelectorCase((0,), 10, 8, 3),  # no rows
-    # N k >= 2 V and N k r >= 2^18: the CPU forward runs the transitions in candidate-id
-    # order (csrc/selector_cpu.cpp, transitions_by_candidate)
+    # N k >= 2 V: ids repeat, in many rows (the CPU forward's candidate-id order pays off
+    # at such ratios; test_cpu_forward_orders_give_the_same_bits runs both orders)
     SelectorCase((1024,), 300, 64, 16),
     SelectorCase((512,), 200, 40, 16, BF16, BF16, BF16),  # the same, 16-bit, r not a multiple of 16
     # Training size: dA sums ~1,000 rows an id, dB ~4,000 terms, each in one serial chain.

@@ -71,6 +71,25 @@ def test_backward_is_bitwise_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.lead != (0,)], ids=lambda c: c.id)
+def test_cpu_forward_orders_give_the_same_bits(case, monkeypatch):
+    """The CPU forward sums each transition term in row order or, for a large batch over
+    a large codebook, in candidate-id order (csrc/selector_cpu.cpp): the same lane_dot
+    either way, so the same bits, for both unary forms."""
+    unary, projected, predecessor, successor, predecessor_ids, candidate_ids, _ = make_inputs(case, "cpu")
+    gathered = unary.gather(-1, candidate_ids)
+    results = {}
+    for order in ("row", "candidate"):
+        monkeypatch.setenv("DFLASH2_SELECTOR_ORDER", order)
+        results[order] = (
+            dk.score_candidates(unary, projected, predecessor, successor, predecessor_ids, candidate_ids),
+            dk.transition_scores(projected, predecessor, successor, predecessor_ids, candidate_ids),
+            dk.pair_scores(projected, gathered, predecessor, successor, candidate_ids, predecessor_ids),
+        )
+    for by_row, by_candidate in zip(results["row"], results["candidate"]):
+        assert by_row.dtype == by_candidate.dtype and torch.equal(by_row, by_candidate)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_transition_scores_match_reference(device):
     case = CASES[2]
