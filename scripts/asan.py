@@ -174,6 +174,9 @@ def test_environment() -> dict[str, str]:
     env["DFLASH2_EMULATED_LIB"] = str(LIBRARY)
     env["DFLASH2_SIMT_SELFTEST"] = str(SELFTEST)
     env["DFLASH2_POISON_OUTPUTS"] = "1"
+    # The installed half runs the AVX-512 kernels where the CPU has them; this half runs
+    # their AVX2 and default twins (csrc/cpu_row_kernel.h).
+    env["DFLASH2_DISABLE_AVX512"] = "1"
     # This build has CPU kernels only (the CUDA kernels are the emulated ops): tests
     # that expect CUDA kernels wherever nvcc exists read this switch.
     env["DFLASH2_BUILD_CUDA"] = "0"
