@@ -298,10 +298,6 @@ void transitions_by_candidate_order(const TypedRows<W, P>& rows_of, const Rows& 
   });
 }
 
-// scores[n, j] = U[n, j or cand[n, j]] + transition[n k + j], rounded once. A pass of
-// its own: k independent loads a row, which overlap where, interleaved with the
-// transition arithmetic, each full-vocabulary U entry (a miss in a 500 MB table) waited
-// alone.
 // A double result in T as store_dynamic rounds it: 16-bit types through float.
 template <typename T>
 inline T round_from_double(double value) {
@@ -312,7 +308,10 @@ inline T round_from_double(double value) {
   }
 }
 
-
+// scores[n, j] = U[n, j or cand[n, j]] + transition[n k + j], rounded once. A pass of
+// its own: k independent loads a row, which overlap where, interleaved with the
+// transition arithmetic, each full-vocabulary U entry (a miss in a 500 MB table) waited
+// alone.
 template <typename Acc>
 void add_unary(const Rows& rows, const at::Tensor& unary, bool unary_gathered, const Acc* transition,
                at::Tensor& scores) {
