@@ -183,9 +183,8 @@ def main() -> None:
                 for backward in (False, True):
                     label = f"{level} {api} {'fwd+bwd' if backward else 'fwd'} {shape.name}"
                     nbytes = minimal_bytes(shape, api, level, backward)
-                    timed = dict(impls)
                     shared = floor(api, level, backward, inputs, shape)
-                    for impl, fn in timed.items():
+                    for impl, fn in impls.items():
                         if backward:
                             call = lambda fn=fn: torch.autograd.grad(fn(*leaves), grad_leaves, inputs.grad)  # noqa: E731
                         else:
