@@ -119,11 +119,6 @@ DFLASH2_INLINE void store_floats(c10::BFloat16* p, typename FloatLanes<kWidth>::
   std::memcpy(p, &narrowed, sizeof(narrowed));
 }
 
-template <typename T>
-DFLASH2_INLINE Floats8 load_floats8(const T* p) {
-  return load_floats<8>(p);
-}
-
 // sum_rho x[rho] * y[rho] in 16 independent partial sums (lane i takes rho = i mod 16),
 // folded by halves: the compiler keeps the lanes in vector registers (a single running
 // sum is a serial dependency it may not reorder), and the pairwise fold loses less than

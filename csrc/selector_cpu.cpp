@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -140,11 +141,26 @@ inline void prefetch_row_operands(const TypedRows<W, P>& rows_of, const Rows& ro
   for (int64_t j = 0; j < top_k; ++j) prefetch_elements(rows_of.b(candidates[j]), rank);
 }
 
+// count elements of T, left unset: for buffers a kernel writes whole before it reads
+// them (a std::vector would zero them first: an 8 MB memset a call at r = 256).
+template <typename T>
+class Unfilled {
+ public:
+  explicit Unfilled(int64_t count) : data_(new T[count]) {}
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  T& operator[](int64_t i) { return data_[i]; }
+  const T& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+};
+
 // The entries of `ids` (values in [0, vocab)) grouped by id, stably: a counting sort.
 // entries[starts[id] .. starts[id + 1]) are the flat indices holding id, in order.
 struct IdSegments {
   std::vector<int64_t> starts;   // [vocab + 1]
-  std::vector<int64_t> entries;  // [ids.size]
+  Unfilled<int64_t> entries;  // [ids.size]
 };
 
 // Chunks of entries, one per thread, each counted into its own histogram; a chunk's
@@ -161,7 +177,7 @@ IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab) {
       for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) ++counts[ids[e]];
     }
   });
-  IdSegments segments{std::vector<int64_t>(vocab + 1), std::vector<int64_t>(count)};
+  IdSegments segments{std::vector<int64_t>(vocab + 1), Unfilled<int64_t>(count)};
   int64_t running = 0;
   for (int64_t id = 0; id < vocab; ++id) {
     segments.starts[id] = running;
@@ -283,7 +299,7 @@ template <typename W, typename P, typename Acc>
 void transitions_by_candidate_order(const TypedRows<W, P>& rows_of, const Rows& rows, Acc* transition) {
   const auto& shape = rows.shape;
   const int64_t rank = shape.rank;
-  std::vector<Acc> contexts(shape.rows * rank);
+  Unfilled<Acc> contexts(shape.rows * rank);
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       if (n + kPrefetchRows < end) prefetch_elements(rows_of.a(rows.predecessor_ids[n + kPrefetchRows]), rank);
@@ -343,7 +359,7 @@ template <typename W, typename P>
 void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gathered, at::Tensor& scores) {
   using Acc = accumulator_t<W>;
   const TypedRows<W, P> rows_of(rows);
-  std::vector<Acc> transition(rows.shape.rows * rows.shape.top_k);
+  Unfilled<Acc> transition(rows.shape.rows * rows.shape.top_k);
   if (transitions_by_candidate(rows.shape, sizeof(W))) {
     transitions_by_candidate_order(rows_of, rows, transition.data());
   } else {
@@ -401,8 +417,8 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
   // past SPEC section 4. Per row: P * g (row n's dA term, double) and the context
   // A[pred] * P (the dB terms' row vector, Acc), kept so that the sums over ids read
   // one [N, r] row per term instead of an A row, a P row and a recomputation.
-  std::vector<double> projected_times_g(shape.rows * rank);
-  std::vector<Acc> contexts(shape.rows * rank);
+  Unfilled<double> projected_times_g(shape.rows * rank);
+  Unfilled<Acc> contexts(shape.rows * rank);
   char* du = unary_gathered ? nullptr : static_cast<char*>(grad_unary.data_ptr());
   const int64_t du_row_bytes = unary_gathered ? 0 : grad_unary.stride(0) * grad_unary.element_size();
 

@@ -44,6 +44,15 @@ def _flatten(
     return x2, d3, base
 
 
+def _flatten_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_flatten's three, and grad_out as [N, H] with unit last stride, first."""
+    x2, d3, base2 = _flatten(x, delta, base)
+    dy = grad_out.reshape(x2.shape)
+    return (dy if dy.stride(-1) == 1 else dy.contiguous()), x2, d3, base2
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     backend = selected_backend()
     if backend == "triton":
@@ -139,10 +148,7 @@ def grouped_dynamic_conv_backward_op(
             torch.zeros(delta.shape, dtype=delta.dtype, device=x.device),
             torch.zeros(base.shape, dtype=base.dtype, device=x.device),
         )
-    x2, d3, base2 = _flatten(x, delta, base)
-    dy = grad_out.reshape(x2.shape)
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
+    dy, x2, d3, base2 = _flatten_backward(grad_out, x, delta, base)
     if _use_triton(x2):
         from .launch import conv_backward_triton
 
@@ -231,11 +237,9 @@ class _EagerCpuConv(torch.autograd.Function):
             # differentiable.
             return (*grouped_dynamic_conv_backward_op(grad_out, x, delta, base, ctx.block_size, ctx.group_size),
                     None, None)
-        x2, d3, base2 = _flatten(x, delta, base)
-        dy = grad_out.reshape(x2.shape)
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dx, ddelta, dbase = torch.ops.dflash2.conv_backward_cpu.default(dy, x2, d3, base2, ctx.block_size)
+        dx, ddelta, dbase = torch.ops.dflash2.conv_backward_cpu.default(
+            *_flatten_backward(grad_out, x, delta, base), ctx.block_size
+        )
         return dx.view(x.shape), ddelta.view(delta.shape), dbase, None, None
 
 
