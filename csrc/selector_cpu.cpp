@@ -212,8 +212,9 @@ inline void context_of_row(const TypedRows<W, P>& rows_of, const Rows& rows, int
 // else), each of the N k candidate rows read in row order is a DRAM miss; when they
 // are at least twice the rows of B, reading each B row in use once, in id order (a
 // forward stream), and the N x r contexts at random moves less from DRAM (r = 256 fp32,
-// B 32 MB: 1.25x the row order here). A B that stays in cache is read fastest in row
-// order, without the counting sort (r = 64, B 8 MB: the sort cost 1.6x).
+// B 32 MB: ahead of the row order in most readings here, docs/BENCHMARKS.md). A B
+// that stays in cache is read fastest in row order, without the counting sort (r = 64,
+// B 8 MB: the sort cost 1.6x).
 // DFLASH2_SELECTOR_ORDER=row or =candidate forces one order (the tests run both on
 // every case and expect the same bits); read on every call, as output_alloc.h's switch.
 bool transitions_by_candidate(const SelectorShape& shape, int64_t codebook_element_size) {
