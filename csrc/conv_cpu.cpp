@@ -287,6 +287,25 @@ DFLASH2_ROW_KERNEL void forward_rows(const ConvInputs<acc_t>& in, const Rows& ou
 // no converted copies of x or out rows (cpu_row_kernel.h widens and rounds bfloat16 in
 // registers). The same products in the same tap order as forward_rows: the same bits,
 // at either width.
+//
+// With two taps (every published drafter), a row's operands are plain restrict
+// pointers in registers, not the per-tap arrays (which the stores' possible aliasing
+// made the compiler reload for every chunk).
+template <typename X, typename O, int kWidth>
+DFLASH2_INLINE void two_tap_row(const float* __restrict base0, const float* __restrict base1,
+                                const float* __restrict delta0, const float* __restrict delta1,
+                                const X* __restrict x0, const X* __restrict x1, O* __restrict out_row, int64_t hidden,
+                                int64_t group_size) {
+  for (int64_t c = 0, g = 0; c < hidden; g += 1) {
+    const float d0 = delta0[g], d1 = x1 != nullptr ? delta1[g] : 0.0f;
+    for (const int64_t group_end = c + group_size; c < group_end; c += kWidth) {
+      auto sum = (load_floats<kWidth>(base0 + c) + d0) * load_floats<kWidth>(x0 + c);
+      if (x1 != nullptr) sum += (load_floats<kWidth>(base1 + c) + d1) * load_floats<kWidth>(x1 + c);
+      store_floats<kWidth>(out_row + c, sum);
+    }
+  }
+}
+
 template <typename X, typename O, int kWidth>
 DFLASH2_INLINE void forward_rows_lanes(const ConvInputs<float>& in, const Rows& out, int64_t first_row, int64_t end_row) {
   const ConvShape& shape = in.shape;
@@ -301,6 +320,17 @@ DFLASH2_INLINE void forward_rows_lanes(const ConvInputs<float>& in, const Rows& 
       delta_rows[tau] = read_as(in.delta.at(n, tau), in.delta.type, groups, delta_scratch.data() + tau * groups);
     }
     O* __restrict out_row = reinterpret_cast<O*>(out.at(n));
+    if (shape.taps == 2) {
+      const bool both = read_taps == 2;
+      if (both) {
+        two_tap_row<X, O, kWidth>(in.base_x, in.base_x + hidden, delta_rows[0], delta_rows[1], x_rows[0], x_rows[1],
+                                  out_row, hidden, group_size);
+      } else {
+        two_tap_row<X, O, kWidth>(in.base_x, in.base_x + hidden, delta_rows[0], nullptr, x_rows[0],
+                                  static_cast<const X*>(nullptr), out_row, hidden, group_size);
+      }
+      continue;
+    }
     for (int64_t c = 0, g = 0; c < hidden; g += 1) {
       for (const int64_t group_end = c + group_size; c < group_end; c += kWidth) {
         auto sum = (load_floats<kWidth>(in.base_x + c) + delta_rows[0][g]) * load_floats<kWidth>(x_rows[0] + c);

@@ -250,3 +250,42 @@ def test_backward_long_expanded_groups_within_contract(dtype):
     """Both at once: 300-channel groups of expanded rows."""
     inputs = _reduction_inputs(96, 600, 300, dtype, expanded=("grad_out", "x"), seed=5)
     _assert_backward_within_contract(*inputs, group_size=300)
+
+
+def _forward_in_float32_op_order(x, delta, base, block_size, out_dtype):
+    """The forward as the float kernels round it, one float32 operation at a time (no
+    fused multiply-adds): sum = (base_x[0] + delta[n, 0]) * x[n], then for each tap tau
+    that stays inside row n's block, sum += (base_x[tau] + delta[n, tau]) * x[n - tau];
+    rounded once to out_dtype."""
+    rows, hidden = x.shape
+    taps, groups = delta.shape[1], delta.shape[2]
+    base_x = base.to(x.dtype).float()
+    coefficients = delta.float().repeat_interleave(hidden // groups, dim=2)  # [N, K, H]
+    xf = x.float()
+    position = torch.arange(rows) % block_size
+    out = (base_x[0] + coefficients[:, 0]) * xf
+    for tau in range(1, taps):
+        shifted = torch.zeros_like(xf)
+        shifted[tau:] = xf[:-tau]
+        term = (base_x[tau] + coefficients[:, tau]) * shifted
+        out = torch.where((position >= tau)[:, None], out + term, out)
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize("dtypes", [F32, AUTOCAST, (torch.bfloat16,) * 3, (torch.bfloat16, torch.bfloat16, torch.float32),
+                                    (torch.float16,) * 3],
+                         ids=["f32", "f32x-bf16delta", "bf16", "bf16-f32base", "f16-generic"])
+@pytest.mark.parametrize("rows,hidden,group_size,taps,block_size", [
+    (40, 64, 16, 2, 8),    # the two-tap register path, 16-lane chunks
+    (37, 48, 8, 2, 4),     # 8-lane chunks; a last block cut short
+    (45, 96, 16, 3, 8),    # three taps: the general register path
+    (30, 36, 12, 2, 8),    # a group size of no lane width: the generic path
+    (300, 4096, 16, 2, 8),  # serving width, rows split over the threads
+])
+def test_forward_rounds_as_float32_in_op_order(rows, hidden, group_size, taps, block_size, dtypes):
+    """The float forward kernels give exactly the float32 operations in the documented
+    order, bit for bit, on every path (register and generic, 8 and 16 lanes, 2 and 3 taps)."""
+    x, delta, base, _ = _raw_inputs(rows, hidden, group_size, taps, dtypes, strided_delta=True, row_strided_x=False)
+    out_dtype = torch.promote_types(x.dtype, delta.dtype)
+    got = torch.ops.dflash2.conv_forward_cpu(x, delta, base, block_size, out_dtype)
+    assert torch.equal(got, _forward_in_float32_op_order(x, delta, base, block_size, out_dtype))

@@ -123,6 +123,13 @@ def test_eager_cpu_path_equals_the_custom_op(dtype):
     assert {"dflash2::grouped_dynamic_conv", "dflash2::grouped_dynamic_conv_backward"} <= seen.names
     for a, b in zip(eager, through_op):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    # With nothing to differentiate the eager path calls the kernel alone: the same bits,
+    # and a result outside autograd.
+    with torch.no_grad():
+        no_grad = dk.grouped_dynamic_conv(x, delta, base, block_size=block_size, group_size=group_size)
+    plain = dk.grouped_dynamic_conv(x, delta, base, block_size=block_size, group_size=group_size)
+    for out in (no_grad, plain):
+        assert out.grad_fn is None and not out.requires_grad and torch.equal(out, eager[0])
 
 
 @pytest.mark.parametrize("route", ["public", "custom op"])

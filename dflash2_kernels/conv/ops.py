@@ -33,8 +33,9 @@ def _flatten(
     """
     hidden_size = x.shape[-1]
     kernel_size, num_groups = delta.shape[-2], delta.shape[-1]
-    x2 = x.reshape(-1, hidden_size)
-    d3 = delta.reshape(-1, kernel_size, num_groups)
+    # Already 2-D / 3-D (the common call) costs no reshape: ~1 us each at serving size.
+    x2 = x if x.dim() == 2 else x.reshape(-1, hidden_size)
+    d3 = delta if delta.dim() == 3 else delta.reshape(-1, kernel_size, num_groups)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if d3.stride(-1) != 1:
@@ -214,6 +215,13 @@ def _eager_cpu_kernels(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor)
     )
 
 
+def _cpu_forward(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The C++ forward on checked CPU operands (x non-empty), shaped as x."""
+    x2, d3, base2 = _flatten(x, delta, base)
+    out = torch.ops.dflash2.conv_forward_cpu.default(x2, d3, base2, block_size, torch.promote_types(x.dtype, delta.dtype))
+    return out if x.dim() == 2 else out.view(x.shape)
+
+
 class _EagerCpuConv(torch.autograd.Function):
     """The conv on the C++ CPU kernels: arguments already checked, x non-empty. The
     classic ``forward(ctx, ...)`` form: ~5 us a call, where a separate setup_context
@@ -224,9 +232,7 @@ class _EagerCpuConv(torch.autograd.Function):
         ctx.save_for_backward(x, delta, base)
         ctx.block_size = block_size
         ctx.group_size = group_size
-        x2, d3, base2 = _flatten(x, delta, base)
-        out_dtype = torch.promote_types(x.dtype, delta.dtype)
-        return torch.ops.dflash2.conv_forward_cpu.default(x2, d3, base2, block_size, out_dtype).view(x.shape)
+        return _cpu_forward(x, delta, base, block_size)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -268,5 +274,10 @@ def grouped_dynamic_conv(
         hidden_states, delta_kernel, base_kernel, block_size, group_size
     )
     if _eager_cpu_kernels(hidden_states, delta_kernel, base_kernel):
-        return _EagerCpuConv.apply(hidden_states, delta_kernel, base_kernel, block_size, group_size)
+        if torch.is_grad_enabled() and (
+            hidden_states.requires_grad or delta_kernel.requires_grad or base_kernel.requires_grad
+        ):
+            return _EagerCpuConv.apply(hidden_states, delta_kernel, base_kernel, block_size, group_size)
+        # Nothing to differentiate: the kernel alone (autograd.Function costs ~10 us a call).
+        return _cpu_forward(hidden_states, delta_kernel, base_kernel, block_size)
     return grouped_dynamic_conv_op(hidden_states, delta_kernel, base_kernel, block_size, group_size)
