@@ -8,6 +8,8 @@ as under bf16 autocast), each at a serving size (256 rows: 32 sequences of one 8
 block) and a training size (4096 rows). Prints a table (median / p20 / p80 ms per call,
 effective GB/s over the minimal bytes, percent of the copy bandwidth measured in the
 same run, how many times faster ours is) and appends one JSON record per row to --out.
+A case's implementations are timed in turns, one call each per repetition
+(``common.time_side_by_side``).
 
 On the CPU each case also times its **floor**: a plain PyTorch zero fill of fresh
 tensors of the results' bytes (out; and dx, ddelta, dbase for the backward), which no
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dflash2_kernels as dk  # noqa: E402
 from dflash2_kernels import reference  # noqa: E402
 
-from common import Row, print_table, start_run, time_cuda_graph, time_fn, write_records  # noqa: E402
+from common import Row, print_table, start_run, time_cuda_graph, time_side_by_side, write_records  # noqa: E402
 
 BF16 = (torch.bfloat16, torch.bfloat16, torch.bfloat16)
 F32 = (torch.float32, torch.float32, torch.float32)
@@ -108,25 +110,14 @@ def main() -> None:
     for shape in shapes:
         x, delta, base, dy = make_inputs(shape, device)
         kwargs = dict(block_size=shape.block_size, group_size=shape.group_size)
-        for impl, conv in impls.items():
-            forward = lambda conv=conv: conv(x, delta, base, **kwargs)  # noqa: E731
-            with torch.no_grad():
-                timing = time_fn(forward, device)
-            rows.append(Row("conv", f"fwd {shape.name}", impl, timing, minimal_bytes(shape, False), copy_gbps))
-
-            leaves = [t.detach().requires_grad_() for t in (x, delta, base)]
-
-            def forward_backward(conv=conv, leaves=leaves):
-                out = conv(*leaves, **kwargs)
-                return torch.autograd.grad(out, leaves, dy)
-
-            timing = time_fn(forward_backward, device)
-            rows.append(Row("conv", f"fwd+bwd {shape.name}", impl, timing, minimal_bytes(shape, True), copy_gbps))
-
-        if device.type == "cpu":
-            for backward, label in ((False, "fwd"), (True, "fwd+bwd")):
-                timing = time_fn(fill_floor(shape, backward, device), device)
-                rows.append(Row("conv", f"{label} {shape.name}", "floor", timing, minimal_bytes(shape, backward),
+        for backward, label in ((False, "fwd"), (True, "fwd+bwd")):
+            calls = {impl: _call(conv, (x, delta, base), dy if backward else None, kwargs)
+                     for impl, conv in impls.items()}
+            if device.type == "cpu":
+                calls["floor"] = fill_floor(shape, backward, device)
+            timings = time_side_by_side(calls, device)
+            for impl, timing in timings.items():
+                rows.append(Row("conv", f"{label} {shape.name}", impl, timing, minimal_bytes(shape, backward),
                                 copy_gbps))
 
         if device.type == "cuda" and shape.rows <= 256:
@@ -136,6 +127,21 @@ def main() -> None:
 
     print_table(rows)
     write_records(rows, env, args.out)
+
+
+def _call(conv, inputs, dy, kwargs):
+    """One call of ``conv``: the forward under no_grad, or (``dy`` given) the forward
+    and the backward with gradients for x, delta and base."""
+    if dy is None:
+        def forward():
+            with torch.no_grad():
+                return conv(*inputs, **kwargs)
+        return forward
+    leaves = [t.detach().requires_grad_() for t in inputs]
+
+    def forward_backward():
+        return torch.autograd.grad(conv(*leaves, **kwargs), leaves, dy)
+    return forward_backward
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ at two levels:
 
 forward, and forward+backward with gradients for every input. Each case runs ours, the
 eager reference (speculators' / NeMo's formula on plain PyTorch), ``torch.compile`` of
-that reference, and, where one exists, the **floor**: the work every implementation
-shares, timed alone with plain PyTorch (the projection GEMMs at module level; the dense
-[N, V] logits gradient, a zero fill of fresh memory, for ``score_candidates``' backward).
+that reference, and the **floor**: the work every implementation shares, timed alone
+with plain PyTorch (the gathers of the candidates' B rows, the A rows and, from full
+logits, the unary entries; the projection GEMMs at module level; the dense [N, V]
+logits gradient, a zero fill of fresh memory, for ``score_candidates``' backward), all
+timed in turns, one call each per repetition (``common.time_side_by_side``).
 The table reports median / p20 / p80 ms, the peak memory beyond the inputs, GB/s over
 the minimal bytes, how many times faster ours is, and ours as a percent of the floor.
 
@@ -43,7 +45,7 @@ import dflash2_kernels as dk  # noqa: E402
 from dflash2_kernels import reference  # noqa: E402
 
 from common import (  # noqa: E402
-    Row, peak_extra_bytes, print_table, start_run, time_fn, write_records,
+    FLOOR_IMPL, Row, peak_extra_bytes, print_table, start_run, time_side_by_side, write_records,
 )
 
 APIS = ("score_candidates", "pair_scores")
@@ -118,14 +120,22 @@ def implementations(api: str, level: str, inputs: Inputs):
 
 
 def floor(api: str, level: str, backward: bool, inputs: Inputs, shape: Shape):
-    """The shared work alone, or None where the case has none worth a row."""
+    """The shared work alone, with plain PyTorch: the reads every implementation makes
+    (the k candidates' B rows per position, as ``embedding_bag`` sums them; the A rows;
+    from full-vocabulary logits, the N k unary entries), the projection GEMMs at module
+    level, and autograd's dense [N, V] logits gradient for ``score_candidates``'
+    backward."""
     sel = inputs.selector
-    dense_unary_grad = backward and api == "score_candidates"
-    if level == "op" and not dense_unary_grad:
-        return None
+    pred, cand = inputs.predecessors, inputs.candidates
+    predecessor_codebook, successor_codebook = (c.detach() for c in inputs.codebooks)
 
     def shared():
         out = []
+        with torch.no_grad():
+            out.append(F.embedding_bag(cand, successor_codebook, mode="sum"))
+            out.append(F.embedding(pred, predecessor_codebook))
+            if api == "score_candidates":
+                out.append(inputs.logits.gather(-1, cand))
         if level == "module":
             if backward:  # P = W h, dh = dP W, dW = dP^T h
                 h = inputs.hidden.detach().requires_grad_()
@@ -134,7 +144,7 @@ def floor(api: str, level: str, backward: bool, inputs: Inputs, shape: Shape):
             else:
                 with torch.no_grad():
                     out.append(F.linear(inputs.hidden, sel.hidden_projection.weight))
-        if dense_unary_grad:  # autograd's dU: an [N, V] tensor, zero but at N k entries
+        if backward and api == "score_candidates":  # autograd's dU: an [N, V] tensor, zero but at N k entries
             out.append(torch.zeros(shape.rows, shape.vocab, device=inputs.hidden.device, dtype=shape.dtype))
         return out
 
@@ -182,29 +192,29 @@ def main() -> None:
                     impls["compiled reference"] = torch.compile(ref, dynamic=False)
                 for backward in (False, True):
                     label = f"{level} {api} {'fwd+bwd' if backward else 'fwd'} {shape.name}"
+                    calls = {impl: _call(fn, leaves, grad_leaves if backward else None, inputs.grad)
+                             for impl, fn in impls.items()}
+                    calls[FLOOR_IMPL] = floor(api, level, backward, inputs, shape)
                     nbytes = minimal_bytes(shape, api, level, backward)
-                    shared = floor(api, level, backward, inputs, shape)
-                    for impl, fn in impls.items():
-                        if backward:
-                            call = lambda fn=fn: torch.autograd.grad(fn(*leaves), grad_leaves, inputs.grad)  # noqa: E731
-                        else:
-                            def call(fn=fn):
-                                with torch.no_grad():
-                                    return fn(*leaves)
-                        rows.append(_measure(call, device, label, impl, nbytes, copy_gbps))
-                    if shared is not None:
-                        rows.append(_measure(shared, device, label, "floor", nbytes, copy_gbps))
+                    for impl, timing in time_side_by_side(calls, device, reps=10).items():
+                        peak = peak_extra_bytes(calls[impl], device)
+                        rows.append(Row("selector", label, impl, timing, nbytes, copy_gbps,
+                                        {"peak_extra_mib": None if peak is None else peak / 2**20}))
         del inputs
 
     print_table(rows)
     write_records(rows, env, args.out)
 
 
-def _measure(fn, device, case: str, impl: str, nbytes: int, copy_gbps: float) -> Row:
-    timing = time_fn(fn, device, reps=10)
-    peak = peak_extra_bytes(fn, device)
-    return Row("selector", case, impl, timing, nbytes, copy_gbps,
-               {"peak_extra_mib": None if peak is None else peak / 2**20})
+def _call(fn, leaves, grad_leaves, grad):
+    """One call of ``fn(*leaves)``: under no_grad, or (``grad_leaves`` given) with the
+    backward, gradients for every leaf in ``grad_leaves``."""
+    if grad_leaves is None:
+        def forward():
+            with torch.no_grad():
+                return fn(*leaves)
+        return forward
+    return lambda: torch.autograd.grad(fn(*leaves), grad_leaves, grad)
 
 
 if __name__ == "__main__":

@@ -40,40 +40,65 @@ def _summary(samples_ms: list[float]) -> Timing:
     return Timing(statistics.median(samples_ms), _quantile(samples_ms, 0.2), _quantile(samples_ms, 0.8))
 
 
-def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 10.0,
-            warmup_s: float = 0.25) -> Timing:
-    """Per-call time of ``fn()``; stops early once ``budget_s`` seconds are spent. Warms
-    up for ``warmup`` calls and at least ``warmup_s`` seconds: a process's first calls
-    also grow the allocator's heap and start the thread pool, page faults and all."""
+def _warm_up(fn, warmup: int, warmup_s: float) -> None:
+    """``warmup`` calls and at least ``warmup_s`` seconds: a process's first calls also
+    grow the allocator's heap and start the thread pool, page faults and all."""
     warmup_end = time.perf_counter() + warmup_s
     for _ in range(max(warmup, 1)):
         fn()
     while time.perf_counter() < warmup_end:
         fn()
-    samples: list[float] = []
-    if device.type == "cuda":
-        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
-        torch.cuda.synchronize(device)
-        deadline = time.perf_counter() + budget_s
-        for _ in range(reps):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-            if time.perf_counter() > deadline:
-                break
-    else:
-        deadline = time.perf_counter() + budget_s
-        for _ in range(reps):
+
+
+class _CallTimer:
+    """Milliseconds of one call: on CUDA with events, after flushing the L2 cache."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+        if self.flush is not None:
+            torch.cuda.synchronize(device)
+
+    def __call__(self, fn) -> float:
+        if self.flush is None:
             start = time.perf_counter()
             fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-            if time.perf_counter() > deadline and len(samples) >= 3:
-                break
-    return _summary(samples)
+            return (time.perf_counter() - start) * 1e3
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 10.0,
+            warmup_s: float = 0.25) -> Timing:
+    """Per-call time of ``fn()``, after a warm-up (``_warm_up``); stops early once
+    ``budget_s`` seconds are spent."""
+    return time_side_by_side({"fn": fn}, device, warmup=warmup, reps=reps, budget_s=budget_s,
+                             warmup_s=warmup_s)["fn"]
+
+
+def time_side_by_side(fns: dict, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 30.0,
+                      warmup_s: float = 0.25) -> dict:
+    """Per-call times of a case's implementations ({name: fn} to {name: Timing}), taken
+    in turns: each repetition calls every function once, in order, so that a change of
+    load on a shared machine lands on all of them alike instead of on whichever was
+    running (this project's CPU VMs moved one row by up to 2x within minutes). Each is
+    warmed up first; stops early once ``budget_s`` seconds are spent."""
+    for fn in fns.values():
+        _warm_up(fn, warmup, warmup_s)
+    timer = _CallTimer(device)
+    samples: dict = {name: [] for name in fns}
+    deadline = time.perf_counter() + budget_s
+    for rep in range(reps):
+        for name, fn in fns.items():
+            samples[name].append(timer(fn))
+        if time.perf_counter() > deadline and rep >= 2:
+            break
+    return {name: _summary(values) for name, values in samples.items()}
 
 
 def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int = 20, reps: int = 50) -> Timing:
