@@ -92,9 +92,10 @@ DFLASH2_ROW_KERNEL void add_row(Sum* __restrict y, const T* __restrict x, int64_
 // overlap the current row's arithmetic: a row's A and P rows kPrefetchRows rows ahead,
 // each candidate's B row kPrefetchCandidates candidates ahead (across row ends), a few
 // misses in flight at a time, steadily. (Requesting a row's k B rows at once, four rows
-// ahead, ran 1.5x slower in a stand-alone loop of these gathers here: the burst overran
-// the core's miss buffers, and the row's own loads queued behind it.) An entry of a sum
-// over ids reads a single [N, r] row, so the same lead in time is more entries than rows.
+// ahead, ran 1.3x slower in benchmarks/micro/gather_prefetch.cpp, these gathers alone,
+// at r = 64 and 128: the burst overran the core's miss buffers, and the row's own loads
+// queued behind it.) An entry of a sum over ids reads a single [N, r] row, so the same
+// lead in time is more entries than rows.
 constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t kPrefetchCandidates = 8;
 constexpr int64_t kPrefetchEntries = 16;
