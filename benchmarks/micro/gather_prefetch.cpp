@@ -4,7 +4,7 @@
 // timed in turns (one call each per round, 150 rounds, after 10 warm-up calls each):
 //   none        no software prefetch
 //   row:R       the next row's k candidate rows requested at once, R rows ahead (the
-//               selector's scheme before b949bad, R = 4)
+//               selector's scheme before 5536583, R = 4)
 //   cand:D      each candidate's row requested D candidates ahead (the scheme since)
 //
 //   g++ -O3 -fopenmp benchmarks/micro/gather_prefetch.cpp -o /tmp/gather_prefetch
