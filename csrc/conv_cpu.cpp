@@ -281,16 +281,10 @@ DFLASH2_ROW_KERNEL void forward_rows(const ConvInputs<acc_t>& in, const Rows& ou
   }
 }
 
-// forward_rows for float accumulation, x rows of type X and out rows of type O (each
-// float or bfloat16), group size a multiple of kWidth: each kWidth-channel chunk lies in
-// one group, and all taps of a chunk are summed in registers before its one store, with
-// no converted copies of x or out rows (cpu_row_kernel.h widens and rounds bfloat16 in
-// registers). The same products in the same tap order as forward_rows: the same bits,
-// at either width.
-//
-// With two taps (every published drafter), a row's operands are plain restrict
-// pointers in registers, not the per-tap arrays (which the stores' possible aliasing
-// made the compiler reload for every chunk).
+// One out row of forward_rows_lanes with two taps (every published drafter): tap 0 on
+// x0, then tap 1 on x1 unless x1 is null (block position 0). Its operands are restrict
+// pointers held in registers; through the general path's per-tap arrays, the stores'
+// possible aliasing made the compiler reload them for every chunk.
 template <typename X, typename O, int kWidth>
 DFLASH2_INLINE void two_tap_row(const float* __restrict base0, const float* __restrict base1,
                                 const float* __restrict delta0, const float* __restrict delta1,
@@ -306,6 +300,12 @@ DFLASH2_INLINE void two_tap_row(const float* __restrict base0, const float* __re
   }
 }
 
+// forward_rows for float accumulation, x rows of type X and out rows of type O (each
+// float or bfloat16), group size a multiple of kWidth: each kWidth-channel chunk lies in
+// one group, and all taps of a chunk are summed in registers before its one store, with
+// no converted copies of x or out rows (cpu_row_kernel.h widens and rounds bfloat16 in
+// registers). The same products in the same tap order as forward_rows: the same bits,
+// at either width.
 template <typename X, typename O, int kWidth>
 DFLASH2_INLINE void forward_rows_lanes(const ConvInputs<float>& in, const Rows& out, int64_t first_row, int64_t end_row) {
   const ConvShape& shape = in.shape;
@@ -322,13 +322,8 @@ DFLASH2_INLINE void forward_rows_lanes(const ConvInputs<float>& in, const Rows& 
     O* __restrict out_row = reinterpret_cast<O*>(out.at(n));
     if (shape.taps == 2) {
       const bool both = read_taps == 2;
-      if (both) {
-        two_tap_row<X, O, kWidth>(in.base_x, in.base_x + hidden, delta_rows[0], delta_rows[1], x_rows[0], x_rows[1],
-                                  out_row, hidden, group_size);
-      } else {
-        two_tap_row<X, O, kWidth>(in.base_x, in.base_x + hidden, delta_rows[0], nullptr, x_rows[0],
-                                  static_cast<const X*>(nullptr), out_row, hidden, group_size);
-      }
+      two_tap_row<X, O, kWidth>(in.base_x, in.base_x + hidden, delta_rows[0], both ? delta_rows[1] : nullptr,
+                                x_rows[0], both ? x_rows[1] : nullptr, out_row, hidden, group_size);
       continue;
     }
     for (int64_t c = 0, g = 0; c < hidden; g += 1) {

@@ -33,7 +33,7 @@ def _flatten(
     """
     hidden_size = x.shape[-1]
     kernel_size, num_groups = delta.shape[-2], delta.shape[-1]
-    # Already 2-D / 3-D (the common call) costs no reshape: ~1 us each at serving size.
+    # Already 2-D / 3-D (the common call): no reshape, each a dispatcher call of ~2 us.
     x2 = x if x.dim() == 2 else x.reshape(-1, hidden_size)
     d3 = delta if delta.dim() == 3 else delta.reshape(-1, kernel_size, num_groups)
     if x2.stride(-1) != 1:
@@ -278,6 +278,6 @@ def grouped_dynamic_conv(
             hidden_states.requires_grad or delta_kernel.requires_grad or base_kernel.requires_grad
         ):
             return _EagerCpuConv.apply(hidden_states, delta_kernel, base_kernel, block_size, group_size)
-        # Nothing to differentiate: the kernel alone (autograd.Function costs ~10 us a call).
+        # Nothing to differentiate: the kernel alone (autograd.Function adds 3-10 us a call).
         return _cpu_forward(hidden_states, delta_kernel, base_kernel, block_size)
     return grouped_dynamic_conv_op(hidden_states, delta_kernel, base_kernel, block_size, group_size)
