@@ -59,9 +59,7 @@ import argparse
 import ctypes
 import gc
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
@@ -72,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dflash2_kernels as dk  # noqa: E402
 
-from common import Row, Timing, peak_extra_bytes, start_run, time_fn, write_records  # noqa: E402
+from common import Row, Timing, peak_extra_bytes, start_run, time_side_by_side, write_records  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -315,33 +313,21 @@ class Side:
     peak: int | None = None
 
 
-def _summary(samples_ms: list[float]) -> Timing:
-    ordered = sorted(samples_ms)
-
-    def quantile(q: float) -> float:  # common.py's rule
-        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
-    return Timing(statistics.median(ordered), quantile(0.2), quantile(0.8))
-
-
 def time_interleaved(sides: list[Side], device: torch.device, reps: int, budget_s: float = 60.0) -> None:
-    """Time the sides of one case in turns (upstream, ours, upstream, ...; each after its
-    ``restore``), so that a load change on a shared machine hits both alike. Two
-    warm-up steps per side first (on CUDA the first one after a swap may compile)."""
-    for side in sides:
-        side.restore()
-        for _ in range(2):
-            side.fn()
-    samples: dict[int, list[float]] = {id(side): [] for side in sides}
-    deadline = time.perf_counter() + budget_s
-    for _ in range(reps):
-        for side in sides:
+    """Time the sides of one case in turns (upstream, ours, upstream, ...), so that a load
+    change on a shared machine hits both alike. Before each timed step, untimed: the
+    side's ``restore`` and one step of it (on CUDA the first step after a swap may
+    compile). Two warm-up steps per side first."""
+    def restored_and_warm(side: Side) -> Callable[[], None]:
+        def prepare() -> None:
             side.restore()
-            samples[id(side)].append(time_fn(side.fn, device, warmup=0, reps=1).median_ms)
-        if time.perf_counter() > deadline and len(samples[id(sides[0])]) >= 3:
-            break
+            side.fn()
+        return prepare
+
+    timings = time_side_by_side({id(side): side.fn for side in sides}, device, warmup=2, warmup_s=0.0, reps=reps,
+                                budget_s=budget_s, prepare={id(side): restored_and_warm(side) for side in sides})
     for side in sides:
-        side.timing = _summary(samples[id(side)])
+        side.timing = timings[id(side)]
         print(f"#   {side.case:28} {side.impl:9} {side.timing.median_ms:10.2f} ms", flush=True)
 
 

@@ -82,19 +82,25 @@ def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget
 
 
 def time_side_by_side(fns: dict, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 30.0,
-                      warmup_s: float = 0.25) -> dict:
+                      warmup_s: float = 0.25, prepare: dict | None = None) -> dict:
     """Per-call times of a case's implementations ({name: fn} to {name: Timing}), taken
     in turns: each repetition calls every function once, in order, so that a change of
     load on a shared machine lands on all of them alike instead of on whichever was
     running (this project's CPU VMs moved one row by up to 2x within minutes). Each is
-    warmed up first; stops early once ``budget_s`` seconds are spent."""
-    for fn in fns.values():
+    warmed up first; stops early once ``budget_s`` seconds are spent. ``prepare``
+    ({name: callable}, optional) runs untimed before each of that name's warm-ups and
+    calls (bench_step.py: put a shared model in that side's state)."""
+    prepare = prepare or {}
+    untimed = lambda name: prepare.get(name, lambda: None)()  # noqa: E731
+    for name, fn in fns.items():
+        untimed(name)
         _warm_up(fn, warmup, warmup_s)
     timer = _CallTimer(device)
     samples: dict = {name: [] for name in fns}
     deadline = time.perf_counter() + budget_s
     for rep in range(reps):
         for name, fn in fns.items():
+            untimed(name)
             samples[name].append(timer(fn))
         if time.perf_counter() > deadline and rep >= 2:
             break

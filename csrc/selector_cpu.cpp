@@ -271,15 +271,21 @@ DFLASH2_AVX512_KERNEL void row_order_dots_avx512(const TypedRows<W, P>& rows_of,
 #endif
 
 template <typename W, typename P, typename Acc>
+void row_order_dots(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin, int64_t end, Acc* context,
+                    Acc* transition) {
+#if DFLASH2_HAS_AVX512_KERNELS
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (cpu_has_avx512()) return row_order_dots_avx512(rows_of, rows, begin, end, context, transition);
+  }
+#endif
+  row_order_dots_clone(rows_of, rows, begin, end, context, transition);
+}
+
+template <typename W, typename P, typename Acc>
 void transitions_in_row_order(const TypedRows<W, P>& rows_of, const Rows& rows, Acc* transition) {
   at::parallel_for(0, rows.shape.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<Acc> context(rows.shape.rank);
-#if DFLASH2_HAS_AVX512_KERNELS
-    if constexpr (std::is_same_v<Acc, float>) {
-      if (cpu_has_avx512()) return row_order_dots_avx512(rows_of, rows, begin, end, context.data(), transition);
-    }
-#endif
-    row_order_dots_clone(rows_of, rows, begin, end, context.data(), transition);
+    row_order_dots(rows_of, rows, begin, end, context.data(), transition);
   });
 }
 
@@ -344,7 +350,7 @@ void transitions_by_candidate_order(const TypedRows<W, P>& rows_of, const Rows& 
   Unfilled<Acc> contexts(shape.rows * rank);
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      if (n + kPrefetchRows < end) prefetch_elements(rows_of.a(rows.predecessor_ids[n + kPrefetchRows]), rank);
+      prefetch_row_inputs(rows_of, rows, n + kPrefetchRows, end);
       context_of_row(rows_of, rows, n, contexts.data() + n * rank);
     }
   });
