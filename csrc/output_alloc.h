@@ -4,23 +4,20 @@
 // tests instead of passing with whatever the allocator left there (torch's caching
 // allocator hands back recently freed, often correct-looking, memory).
 //
-// Large CPU results ask the kernel for transparent huge pages before anything touches
-// them. A fresh 4 KB page costs a fault on its first write; under THP's common
-// "madvise" mode (this project's VMs), a 500 MB dU took 135 ms in faults alone against
-// 33 ms with 2 MB pages, 512 times fewer faults. Where THP is off or "always",
-// madvise changes nothing.
+// CPU results of 8 MB and up come from cpu_result_cache.h: memory kept from earlier
+// calls, with huge pages requested, instead of fresh pages faulted in on first write.
 #pragma once
 
 #include <torch/all.h>
+
+#include <c10/util/safe_numerics.h>
+
+#include "cpu_result_cache.h"
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace dflash2 {
 
@@ -40,25 +37,21 @@ inline void poison(at::Tensor& tensor) {
   }
 }
 
-// The 2 MB-aligned interior of a CPU tensor of at least kHugePageMinBytes, marked for
-// huge pages. Best effort: a refusal (no THP, an old kernel) leaves 4 KB pages.
-inline void request_huge_pages(const at::Tensor& tensor) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
-  constexpr size_t kHugePageMinBytes = 4 * kHugePage;
-  if (!tensor.device().is_cpu() || tensor.nbytes() < kHugePageMinBytes) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
-  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t last = (begin + tensor.nbytes()) & ~(kHugePage - 1);
-  if (last > first) (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#else
-  (void)tensor;
-#endif
+// Negative or overflowing sizes go to at::empty, which reports them.
+inline bool is_large_cpu_result(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) return false;
+  for (const int64_t size : sizes) {
+    if (size < 0) return false;
+  }
+  uint64_t elements = 0;
+  if (c10::safe_multiplies_u64(sizes, &elements)) return false;
+  const uint64_t itemsize = options.dtype().itemsize();
+  return elements >= cpu_result_cache::kMinBytes / itemsize;
 }
 
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor tensor = at::empty(sizes, options);
-  request_huge_pages(tensor);
+  at::Tensor tensor =
+      is_large_cpu_result(sizes, options) ? cpu_result_cache::empty(sizes, options) : at::empty(sizes, options);
   if (poison_outputs()) poison(tensor);
   return tensor;
 }

@@ -6,9 +6,9 @@
 // transition terms run in candidate-id order (each B row read once, as a stream); the
 // full-vocabulary unary entries are gathered in a pass of their own, where their misses
 // overlap; and the dense results (dU [N, V], dA, dB) are written whole in one pass, with
-// no separate zero fill, into huge-page-backed memory (output_alloc.h). dA and dB are
-// sums over rows grouped by id; they run over a stable counting sort of the ids, so each
-// id's terms are added in one fixed order whatever the number of threads.
+// no separate zero fill, into memory kept from earlier calls (cpu_result_cache.h). dA
+// and dB are sums over rows grouped by id; they run over a stable counting sort of the
+// ids, so each id's terms are added in one fixed order whatever the number of threads.
 #include <ATen/Parallel.h>
 #include <torch/all.h>
 

@@ -10,11 +10,15 @@ serving path's :func:`candidate_topk`, :func:`edge_scores`, :func:`walk` (also
 Patching upstream: :func:`patch` / :func:`unpatch` swap ours into one speculators or
 NeMo draft model in place (sharing its Parameters); :func:`patch_speculators`,
 :func:`patch_nemo` and their ``unpatch_*`` install ours in the upstream packages.
+
+Memory: :func:`cpu_cache_bytes` and :func:`empty_cpu_cache` report and release what the
+C++ ops keep of their freed large CPU results for reuse (``DFLASH2_CPU_CACHE_MB``).
 """
 
 from . import _extension  # registers the compiled ops before anything uses them
 from . import compat, reference
 from .conv import grouped_dynamic_conv
+from .memory import cpu_cache_bytes, empty_cpu_cache
 from .modules import CandidateSelector, GroupedDynamicCausalConv
 from .compat.patch import patch, patch_nemo, patch_speculators, unpatch, unpatch_nemo, unpatch_speculators
 from .selector import pair_scores, score_candidates, transition_scores
@@ -28,7 +32,9 @@ __all__ = [
     "__version__",
     "candidate_topk",
     "compat",
+    "cpu_cache_bytes",
     "edge_scores",
+    "empty_cpu_cache",
     "greedy_verify",
     "grouped_dynamic_conv",
     "pair_scores",

@@ -1,0 +1,193 @@
+"""The C++ ops' CPU result cache (csrc/cpu_result_cache.h, dflash2_kernels.memory).
+
+Results of 8 MiB and up take memory kept from freed results of the same mapped length;
+what is kept stays within DFLASH2_CPU_CACHE_MB; memory of a live tensor (or of a view
+of one) is never kept; results written into reused memory are the same as into fresh
+memory. The sizes sit at the 8 MiB threshold and, in the mmap build, at 2 MiB block
+edges. The suite's sanitized half runs the same tests on the ASan build, which keeps
+blocks at their exact size and poisons them while kept.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import dflash2_kernels as dk
+from dflash2_kernels import reference
+from dflash2_kernels._extension import EXTENSION_ERROR, has_kernel
+from dflash2_kernels.conv import ops  # noqa: F401  (registers the raw ops' fake impls)
+
+pytestmark = pytest.mark.skipif(
+    not has_kernel("conv_forward_cpu", "cpu"),
+    reason=f"the C++ extension lacks the conv's CPU kernel (import error: {EXTENSION_ERROR})",
+)
+
+MIB = 1 << 20
+HIDDEN = 2048  # one fp32 row is 8 KiB: 1024 rows are exactly 8 MiB
+GROUP = 16
+TAPS = 2
+BLOCK = 8
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache(monkeypatch):
+    monkeypatch.delenv("DFLASH2_CPU_CACHE_MB", raising=False)
+    dk.empty_cpu_cache()
+    yield
+    dk.empty_cpu_cache()
+
+
+def conv_inputs(rows: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, HIDDEN, generator=generator)
+    delta = torch.randn(rows, TAPS, HIDDEN // GROUP, generator=generator)
+    base = torch.randn(TAPS, HIDDEN, generator=generator)
+    return x, delta, base
+
+
+def conv_forward(x, delta, base):
+    """[rows, HIDDEN] float32, a C++ op result of rows * 8 KiB."""
+    return torch.ops.dflash2.conv_forward_cpu(x, delta, base, BLOCK, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "rows, kept_mib",
+    [
+        pytest.param(1023, 0, id="under-8MiB-not-kept"),
+        pytest.param(1024, 8, id="8MiB"),
+        pytest.param(1025, None, id="8MiB-and-a-row"),  # 10 MiB mapped, or exact under ASan
+        pytest.param(1280, 10, id="10MiB"),
+    ],
+)
+def test_a_freed_large_result_is_kept_and_reused(rows, kept_mib):
+    inputs = conv_inputs(rows)
+    out = conv_forward(*inputs)
+    pointer = out.data_ptr()
+    assert dk.cpu_cache_bytes() == 0, "memory of a live result was counted as kept"
+    del out
+    kept = dk.cpu_cache_bytes()
+    if kept_mib is None:
+        assert kept in (rows * HIDDEN * 4, 10 * MIB)
+    else:
+        assert kept == kept_mib * MIB
+    again = conv_forward(*inputs)
+    if kept:
+        assert again.data_ptr() == pointer
+    assert dk.cpu_cache_bytes() == 0
+
+
+def test_a_result_written_into_reused_memory_is_the_fresh_result(monkeypatch):
+    # Poisoning would overwrite the stale contents this test needs to leave in place.
+    monkeypatch.setenv("DFLASH2_POISON_OUTPUTS", "0")
+    first_inputs, second_inputs = conv_inputs(1024, seed=1), conv_inputs(1024, seed=2)
+    first = conv_forward(*first_inputs)
+    first.fill_(float("nan"))
+    del first
+    second = conv_forward(*second_inputs)
+    x, delta, base = (t.double() for t in second_inputs)
+    expected = reference.grouped_dynamic_conv(x, delta, base, block_size=BLOCK, group_size=GROUP)
+    assert not second.isnan().any()
+    torch.testing.assert_close(second.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_view_keeps_its_memory_from_reuse():
+    inputs = conv_inputs(1024)
+    out = conv_forward(*inputs)
+    row = out[3].clone()
+    view = out[3]
+    del out
+    assert dk.cpu_cache_bytes() == 0
+    other = conv_forward(*conv_inputs(1024, seed=5))
+    assert other.data_ptr() != view.data_ptr() - 3 * HIDDEN * 4
+    assert torch.equal(view, row)
+    del view
+    assert dk.cpu_cache_bytes() == 8 * MIB
+
+
+@pytest.mark.parametrize(
+    "limit_mib, kept_mib",
+    [
+        pytest.param("0", 0, id="0-keeps-nothing"),
+        pytest.param("7", 0, id="below-one-result"),
+        pytest.param("12", 8, id="one-of-two"),
+        pytest.param("16", 16, id="both"),
+    ],
+)
+def test_what_is_kept_stays_within_the_limit(monkeypatch, limit_mib, kept_mib):
+    monkeypatch.setenv("DFLASH2_CPU_CACHE_MB", limit_mib)
+    inputs = conv_inputs(1024)
+    first, second = conv_forward(*inputs), conv_forward(*inputs)
+    del first, second
+    assert dk.cpu_cache_bytes() == kept_mib * MIB
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "1.5", "12MB"])
+def test_a_malformed_limit_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("DFLASH2_CPU_CACHE_MB", value)
+    with pytest.raises(RuntimeError, match="DFLASH2_CPU_CACHE_MB must be a non-negative whole number"):
+        conv_forward(*conv_inputs(1024))
+
+
+def test_empty_cpu_cache_releases_what_is_kept():
+    results = [conv_forward(*conv_inputs(1024)) for _ in range(3)]
+    del results
+    assert dk.cpu_cache_bytes() == 24 * MIB
+    dk.empty_cpu_cache()
+    assert dk.cpu_cache_bytes() == 0
+
+
+def test_a_result_can_be_resized():
+    inputs = conv_inputs(1024)
+    out = conv_forward(*inputs)
+    head = out[:4].clone()
+    out.resize_(2048, HIDDEN)  # moves the storage to torch's allocator, freeing the block
+    assert dk.cpu_cache_bytes() == 8 * MIB
+    assert torch.equal(out[:4], head)
+
+
+def test_threads_taking_and_freeing_results_get_correct_results():
+    inputs = conv_inputs(1024)
+    expected = conv_forward(*inputs).clone()
+    failures = []
+
+    def work():
+        for _ in range(8):
+            out = conv_forward(*inputs)
+            if not torch.equal(out, expected):
+                failures.append("wrong result")
+            del out
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert dk.cpu_cache_bytes() <= 4 * 8 * MIB
+
+
+def test_a_training_step_reuses_the_dense_unary_gradient():
+    """score_candidates' [N, V] dU (8 MiB here) lands in the previous step's memory."""
+    rows, vocab, rank, top_k = 512, 4096, 8, 4
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=generator, requires_grad=True)
+    projected = torch.randn(rows, rank, generator=generator, requires_grad=True)
+    codebooks = [torch.randn(vocab, rank, generator=generator, requires_grad=True) for _ in range(2)]
+    predecessors = torch.randint(0, vocab, (rows,), generator=generator)
+    candidates = torch.randint(0, vocab, (rows, top_k), generator=generator)
+    weights = torch.randn(rows, top_k, generator=generator)
+
+    def step():
+        scores = dk.score_candidates(logits, projected, *codebooks, predecessors, candidates)
+        (scores * weights).sum().backward()
+        grad = logits.grad
+        logits.grad = None
+        return grad.data_ptr(), grad.clone()
+
+    first_pointer, first_grad = step()
+    second_pointer, second_grad = step()
+    assert second_pointer == first_pointer
+    assert torch.equal(second_grad, first_grad)
