@@ -20,9 +20,12 @@ forward, and forward+backward with gradients for every input. Each case runs our
 eager reference (speculators' / NeMo's formula on plain PyTorch), ``torch.compile`` of
 that reference, and the **floor**: the work every implementation shares, timed alone
 with plain PyTorch (the gathers of the candidates' B rows, the A rows and, from full
-logits, the unary entries; the projection GEMMs at module level; the dense [N, V]
-logits gradient, a zero fill of fresh memory, for ``score_candidates``' backward), all
-timed in turns, one call each per repetition (``common.time_side_by_side``).
+logits, the unary entries; the projection GEMMs at module level; for the backward, the
+B rows and A rows gathered again for g = sum_j dS_j B[cand_j] and dP = g A[pred], and
+fills of the gradients' bytes: dP, the dense dA and dB and, for ``score_candidates``,
+the dense [N, V] logits gradient, each into memory kept from the previous call, as
+ours writes them), all timed in turns, one call each per repetition
+(``common.time_side_by_side``).
 The table reports median / p20 / p80 ms, the peak memory beyond the inputs, GB/s over
 the minimal bytes, how many times faster ours is, and ours as a percent of the floor.
 
@@ -123,11 +126,22 @@ def floor(api: str, level: str, backward: bool, inputs: Inputs, shape: Shape):
     """The shared work alone, with plain PyTorch: the reads every implementation makes
     (the k candidates' B rows per position, as ``embedding_bag`` sums them; the A rows;
     from full-vocabulary logits, the N k unary entries), the projection GEMMs at module
-    level, and autograd's dense [N, V] logits gradient for ``score_candidates``'
-    backward."""
+    level and, for the backward, the reads again (g = sum_j dS_j B[cand_j] as
+    ``embedding_bag`` with per-sample weights, the A rows for dP = g A[pred]) and a fill
+    of every gradient's bytes (dP [N, r], dA and dB [V, r], and for ``score_candidates``
+    autograd's dense [N, V] logits gradient). The fills go into tensors kept across
+    calls: ours writes its large results into memory kept from its previous call
+    (dflash2_kernels.memory), so fresh pages' faults are not work it has to do."""
     sel = inputs.selector
     pred, cand = inputs.predecessors, inputs.candidates
     predecessor_codebook, successor_codebook = (c.detach() for c in inputs.codebooks)
+    gradients = []
+    if backward:
+        options = {"device": inputs.hidden.device, "dtype": shape.dtype}
+        gradients = [torch.empty(shape.rows, shape.rank, **options)]
+        gradients += [torch.empty(shape.vocab, shape.rank, **options) for _ in range(2)]
+        if api == "score_candidates":
+            gradients.append(torch.empty(shape.rows, shape.vocab, **options))
 
     def shared():
         out = []
@@ -144,8 +158,12 @@ def floor(api: str, level: str, backward: bool, inputs: Inputs, shape: Shape):
             else:
                 with torch.no_grad():
                     out.append(F.linear(inputs.hidden, sel.hidden_projection.weight))
-        if backward and api == "score_candidates":  # autograd's dU: an [N, V] tensor, zero but at N k entries
-            out.append(torch.zeros(shape.rows, shape.vocab, device=inputs.hidden.device, dtype=shape.dtype))
+        if backward:
+            with torch.no_grad():
+                out.append(F.embedding_bag(cand, successor_codebook, mode="sum", per_sample_weights=inputs.grad))
+                out.append(F.embedding(pred, predecessor_codebook))
+                for gradient in gradients:
+                    gradient.zero_()
         return out
 
     return shared
