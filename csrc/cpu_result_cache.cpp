@@ -85,12 +85,12 @@ size_t block_length(size_t bytes) {
 #endif
 }
 
-// 2 MB-aligned, so that every 2 MB of it can be one huge page.
+// 2 MB-aligned, so that every 2 MB of it can be one huge page. nullptr when the system
+// refuses.
 void* map_block(size_t length) {
 #if defined(DFLASH2_MMAP_BLOCKS)
   void* raw = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK_WITH(OutOfMemoryError, raw != MAP_FAILED, "dflash2: could not map ", length,
-                   " bytes for a CPU result (mmap failed, errno ", errno, ")");
+  if (raw == MAP_FAILED) return nullptr;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
   const uintptr_t aligned = (begin + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
   if (aligned > begin) munmap(raw, aligned - begin);
@@ -102,7 +102,11 @@ void* map_block(size_t length) {
 #endif
   return reinterpret_cast<void*>(aligned);
 #else
-  return c10::alloc_cpu(length);
+  try {
+    return c10::alloc_cpu(length);
+  } catch (const c10::Error&) {
+    return nullptr;
+  }
 #endif
 }
 
@@ -169,7 +173,17 @@ at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const size_t bytes = at::detail::computeStorageNbytesContiguous(sizes, options.dtype().itemsize());
   const size_t length = block_length(std::max<size_t>(bytes, 1));
   Block* block = take_kept(length);
-  if (block == nullptr) block = new Block{map_block(length), length};
+  if (block == nullptr) {
+    void* data = map_block(length);
+    if (data == nullptr) {
+      // Kept blocks of other sizes must never be why a request fails.
+      release_all();
+      data = map_block(length);
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "dflash2: could not allocate ", bytes,
+                     " bytes for a CPU result");
+    block = new Block{data, length};
+  }
   return at::for_blob(block->data, sizes)
       .context(block, &give_back)
       .options(options)

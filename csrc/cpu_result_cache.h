@@ -1,11 +1,11 @@
-// Memory for the C++ ops' large CPU results (8 MB and up), kept for reuse after the
+// Memory for the C++ ops' large CPU results (8 MiB and up), kept for reuse after the
 // tensor that held it is freed.
 //
 // Why: torch's CPU allocator hands such a request to glibc, which maps fresh pages for
 // it and unmaps them on free, so every call pays a page fault per page on first write.
 // A training step allocates the same results every step (the selector's dense [N, V]
 // dU: 500 MB at N = 4096, V = 32,000). On this project's VMs, writing 500 MB took
-// 17-20 ms into memory already mapped against 60 ms into fresh 2 MB pages, 240-360 ms
+// 17-20 ms into memory already mapped against 60 ms into fresh 2 MB pages, 236-364 ms
 // into fresh 4 KB pages, and up to 1.2 s when the fresh pages came from memory the VM
 // had handed back to its host (docs/BENCHMARKS.md). Blocks are mapped with huge pages
 // requested (madvise; where THP is off or "always" that changes nothing).
@@ -13,7 +13,8 @@
 // What it keeps: freed blocks, most recently freed first, up to DFLASH2_CPU_CACHE_MB
 // (default 1024; 0 keeps nothing), read on every call. A request takes a kept block of
 // exactly its mapped length (a multiple of 2 MB) or maps a new one; a block that would
-// push the total past the limit evicts the least recently freed. Python:
+// push the total past the limit evicts the least recently freed. A request the system
+// refuses empties the cache and tries once more. Python:
 // dflash2_kernels.cpu_cache_bytes() and empty_cpu_cache().
 //
 // Under AddressSanitizer blocks come from the instrumented allocator at their exact size

@@ -3,13 +3,17 @@
 Results of 8 MiB and up take memory kept from freed results of the same mapped length;
 what is kept stays within DFLASH2_CPU_CACHE_MB; memory of a live tensor (or of a view
 of one) is never kept; results written into reused memory are the same as into fresh
-memory. The sizes sit at the 8 MiB threshold and, in the mmap build, at 2 MiB block
-edges. The suite's sanitized half runs the same tests on the ASan build, which keeps
-blocks at their exact size and poisons them while kept.
+memory; a request the system refuses unmaps what is kept and tries again. The sizes
+sit at the 8 MiB threshold and, in the mmap build, at 2 MiB block edges. The suite's
+sanitized half runs the same tests on the ASan build, which keeps blocks at their
+exact size and poisons them while kept.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -191,3 +195,33 @@ def test_a_training_step_reuses_the_dense_unary_gradient():
     second_pointer, second_grad = step()
     assert second_pointer == first_pointer
     assert torch.equal(second_grad, first_grad)
+
+
+REFUSED_REQUEST = """
+import resource, sys, torch
+import dflash2_kernels as dk
+from dflash2_kernels.conv import ops  # noqa: F401
+torch.set_num_threads(1)
+def result(rows):
+    x = torch.zeros(rows, 2048); delta = torch.zeros(rows, 2, 128); base = torch.zeros(2, 2048)
+    out = torch.ops.dflash2.conv_forward_cpu(x, delta, base, 8, torch.float32)
+    return out.sum().item()
+result(8192)  # 64 MiB, kept once freed
+assert dk.cpu_cache_bytes() == 64 << 20, dk.cpu_cache_bytes()
+with open("/proc/self/status") as status:
+    vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+# Room for one fresh 48 MiB result's inputs and block only once the kept 64 MiB is gone.
+limit = (vm_kib << 10) + (90 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+result(6144)  # 48 MiB: refused until the kept 64 MiB block is unmapped
+print("kept after", dk.cpu_cache_bytes())
+"""
+
+
+@pytest.mark.skipif(bool(os.environ.get("LD_PRELOAD")), reason="an address-space limit and ASan's shadow do not mix")
+def test_a_request_the_system_refuses_first_releases_what_is_kept():
+    run = subprocess.run([sys.executable, "-c", REFUSED_REQUEST], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # Only the 48 MiB block, freed last, is kept: the 64 MiB one went back to the system
+    # (the default limit would have kept both).
+    assert f"kept after {48 * MIB}" in run.stdout
