@@ -80,12 +80,6 @@ DFLASH2_ROW_KERNEL void scaled_add(Acc* __restrict y, Acc a, const T* __restrict
   for (int64_t rho = 0; rho < length; ++rho) y[rho] += a * static_cast<Acc>(x[rho]);
 }
 
-// y[rho] += x[rho]: a dA term.
-template <typename Sum, typename T>
-DFLASH2_ROW_KERNEL void add_row(Sum* __restrict y, const T* __restrict x, int64_t length) {
-  for (int64_t rho = 0; rho < length; ++rho) y[rho] += static_cast<Sum>(x[rho]);
-}
-
 // The rows a row reads (its A row, its k B rows) lie anywhere in tables of up to V
 // rows: each is a cache miss, and a loop that waits for one before asking for the next
 // runs at memory latency. Rows this far ahead are requested early, so their misses
@@ -416,36 +410,54 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
   add_unary(rows, unary, unary_gathered, transition.data(), scores);
 }
 
-// table [V, r] in W: row id = sum over id's entries (in entry order) of their terms,
-// in double whatever W is, rounded once; rows of ids with no entry are zero. A float sum
-// missed SPEC section 4 at training sizes: an id's terms (~1,000 rows of a 64k-row batch
-// over a small vocabulary) form one serial chain, while torch's reference sums in a
-// tree. The terms are products of two floats, exact in double. The whole table is
-// written in id order, so it needs no separate zero fill. add_term(entry, acc) adds one
-// term; prefetch_term(entry) requests what a later entry's term reads.
-template <typename W, typename Term, typename Prefetch>
-void segmented_table(const IdSegments& segments, int64_t rank, at::Tensor& table, const Term& add_term,
-                     const Prefetch& prefetch_term) {
+// Rows [begin, end) of a [V, r] table in W: row id = sum over id's entries e (in entry
+// order) of weight[e] * terms[e / divisor] (weight 1 where weights is null), in double
+// whatever W is, rounded once; rows of ids with no entry are zero. One clone owns the
+// whole sweep, so its row arithmetic inlines and compiles for its target. acc: [rank].
+template <typename W, typename T>
+DFLASH2_ROW_KERNEL void id_sums(const int64_t* starts, const int64_t* entries, int64_t begin, int64_t end,
+                                const double* weights, const T* terms, int64_t divisor, int64_t rank, double* acc,
+                                W* out) {
+  const int64_t last_entry = starts[end];
+  for (int64_t id = begin; id < end; ++id) {
+    W* row = out + id * rank;
+    const int64_t first = starts[id], stop = starts[id + 1];
+    if (first == stop) {
+      std::fill(row, row + rank, W(0));
+      continue;
+    }
+    std::fill(acc, acc + rank, 0.0);
+    for (int64_t e = first; e < stop; ++e) {
+      if (e + kPrefetchEntries < last_entry) {
+        prefetch_elements(terms + entries[e + kPrefetchEntries] / divisor * rank, rank);
+      }
+      const T* term = terms + entries[e] / divisor * rank;
+      if (weights == nullptr) {
+        for (int64_t rho = 0; rho < rank; ++rho) acc[rho] += static_cast<double>(term[rho]);
+      } else {
+        const double weight = weights[entries[e]];
+        for (int64_t rho = 0; rho < rank; ++rho) acc[rho] += weight * static_cast<double>(term[rho]);
+      }
+    }
+    for (int64_t rho = 0; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
+  }
+}
+
+// table [V, r] in W, every row (id_sums over segments). The sums run in double: a float
+// sum missed SPEC section 4 at training sizes, where an id's terms (~1,000 rows of a
+// 64k-row batch over a small vocabulary) form one serial chain while torch's reference
+// sums in a tree; the terms are products of two floats, exact in double. The whole table
+// is written in id order, so it needs no separate zero fill.
+template <typename W, typename T>
+void id_sum_table(const IdSegments& segments, const double* weights, const T* terms, int64_t divisor, int64_t rank,
+                  at::Tensor& table) {
   const int64_t vocab = static_cast<int64_t>(segments.starts.size()) - 1;
   W* out = table.data_ptr<W>();
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, rank));
   at::parallel_for(0, vocab, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> acc(rank);
-    const int64_t last_entry = segments.starts[end];
-    for (int64_t id = begin; id < end; ++id) {
-      W* row = out + id * rank;
-      const int64_t first = segments.starts[id], stop = segments.starts[id + 1];
-      if (first == stop) {
-        std::fill(row, row + rank, W(0));
-        continue;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t e = first; e < stop; ++e) {
-        if (e + kPrefetchEntries < last_entry) prefetch_term(segments.entries[e + kPrefetchEntries]);
-        add_term(segments.entries[e], acc.data());
-      }
-      for (int64_t rho = 0; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
-    }
+    Unfilled<double> acc(rank);
+    id_sums<W, T>(segments.starts.data(), segments.entries.data(), begin, end, weights, terms, divisor, rank,
+                  acc.data(), out);
   });
 }
 
@@ -513,18 +525,11 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
   });
 
   const IdSegments by_predecessor = segments_by_id(rows.predecessor_ids, shape.rows, shape.vocab);
-  segmented_table<W>(
-      by_predecessor, rank, grad_predecessor,
-      [&](int64_t n, double* acc) { add_row(acc, projected_times_g.data() + n * rank, rank); },
-      [&](int64_t n) { prefetch_elements(projected_times_g.data() + n * rank, rank); });
+  id_sum_table<W>(by_predecessor, nullptr, projected_times_g.data(), 1, rank, grad_predecessor);
   const IdSegments by_candidate = segments_by_id(rows.candidate_ids, shape.rows * top_k, shape.vocab);
-  segmented_table<W>(
-      by_candidate, rank, grad_successor,
-      [&](int64_t flat, double* acc) {
-        const double weight = load_dynamic(ds, flat, ds_type);
-        scaled_add(acc, weight, contexts.data() + (flat / top_k) * rank, rank);
-      },
-      [&](int64_t flat) { prefetch_elements(contexts.data() + (flat / top_k) * rank, rank); });
+  Unfilled<double> weights(shape.rows * top_k);
+  for (int64_t flat = 0; flat < shape.rows * top_k; ++flat) weights[flat] = load_dynamic(ds, flat, ds_type);
+  id_sum_table<W>(by_candidate, weights.data(), contexts.data(), top_k, rank, grad_successor);
 }
 
 at::Tensor selector_scores_cpu(const at::Tensor& unary, const at::Tensor& projected,
