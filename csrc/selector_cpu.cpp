@@ -528,7 +528,9 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
   id_sum_table<W>(by_predecessor, nullptr, projected_times_g.data(), 1, rank, grad_predecessor);
   const IdSegments by_candidate = segments_by_id(rows.candidate_ids, shape.rows * top_k, shape.vocab);
   Unfilled<double> weights(shape.rows * top_k);
-  for (int64_t flat = 0; flat < shape.rows * top_k; ++flat) weights[flat] = load_dynamic(ds, flat, ds_type);
+  at::parallel_for(0, shape.rows * top_k, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    for (int64_t flat = begin; flat < end; ++flat) weights[flat] = load_dynamic(ds, flat, ds_type);
+  });
   id_sum_table<W>(by_candidate, weights.data(), contexts.data(), top_k, rank, grad_successor);
 }
 
