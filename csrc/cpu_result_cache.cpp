@@ -2,6 +2,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/safe_numerics.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -33,6 +34,7 @@
 namespace dflash2::cpu_result_cache {
 namespace {
 
+constexpr size_t kMinBytes = size_t(8) << 20;
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kDefaultLimitMiB = 1024;
 constexpr const char* kLimitVariable = "DFLASH2_CPU_CACHE_MB";
@@ -168,10 +170,15 @@ void give_back(void* context) noexcept {
 
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   TORCH_CHECK(options.device().is_cpu(), "dflash2: the CPU result cache holds CPU tensors only");
+  const uint64_t itemsize = options.dtype().itemsize();
+  uint64_t elements = 0;
+  const bool valid = std::none_of(sizes.begin(), sizes.end(), [](int64_t size) { return size < 0; }) &&
+                     !c10::safe_multiplies_u64(sizes, &elements) && elements <= SIZE_MAX / itemsize;
+  if (!valid || elements * itemsize < kMinBytes) return at::empty(sizes, options);
   TORCH_CHECK(parse_limit_bytes() >= 0, kLimitVariable, " must be a non-negative whole number of MiB, got '",
               std::getenv(kLimitVariable), "'");
-  const size_t bytes = at::detail::computeStorageNbytesContiguous(sizes, options.dtype().itemsize());
-  const size_t length = block_length(std::max<size_t>(bytes, 1));
+  const size_t bytes = elements * itemsize;
+  const size_t length = block_length(bytes);
   Block* block = take_kept(length);
   if (block == nullptr) {
     void* data = map_block(length);

@@ -28,10 +28,9 @@
 
 namespace dflash2::cpu_result_cache {
 
-constexpr size_t kMinBytes = size_t(8) << 20;
-
-// An uninitialized contiguous CPU tensor of `sizes`, its memory from the cache. Its
-// storage is resizable (a resize moves it to torch's allocator and frees the block).
+// An uninitialized contiguous CPU tensor of `sizes`: of 8 MiB and up, its memory from
+// the cache, its storage resizable (a resize moves it to torch's allocator and frees
+// the block); smaller (or sizes at::empty refuses, which it then reports), at::empty's.
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // Bytes (mapped length) of the blocks kept for reuse now.

@@ -10,8 +10,6 @@
 
 #include <torch/all.h>
 
-#include <c10/util/safe_numerics.h>
-
 #include "cpu_result_cache.h"
 
 #include <cstdint>
@@ -37,21 +35,8 @@ inline void poison(at::Tensor& tensor) {
   }
 }
 
-// Negative or overflowing sizes go to at::empty, which reports them.
-inline bool is_large_cpu_result(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  if (!options.device().is_cpu()) return false;
-  for (const int64_t size : sizes) {
-    if (size < 0) return false;
-  }
-  uint64_t elements = 0;
-  if (c10::safe_multiplies_u64(sizes, &elements)) return false;
-  const uint64_t itemsize = options.dtype().itemsize();
-  return elements >= cpu_result_cache::kMinBytes / itemsize;
-}
-
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor tensor =
-      is_large_cpu_result(sizes, options) ? cpu_result_cache::empty(sizes, options) : at::empty(sizes, options);
+  at::Tensor tensor = options.device().is_cpu() ? cpu_result_cache::empty(sizes, options) : at::empty(sizes, options);
   if (poison_outputs()) poison(tensor);
   return tensor;
 }
