@@ -29,12 +29,14 @@
 #elif defined(__linux__)
 #define DFLASH2_MMAP_BLOCKS 1
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace dflash2::cpu_result_cache {
 namespace {
 
-constexpr size_t kMinBytes = size_t(8) << 20;
+constexpr size_t kMinBytes = size_t(1) << 20;
+constexpr size_t kWholeHugePagesFrom = size_t(8) << 20;
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kDefaultLimitMiB = 1024;
 constexpr const char* kLimitVariable = "DFLASH2_CPU_CACHE_MB";
@@ -79,9 +81,17 @@ int64_t parse_limit_bytes() {
   return int64_t(mib) << 20;
 }
 
+// Whole huge pages from 8 MiB (at most a quarter more than asked for; requests of
+// nearby sizes then share blocks), whole pages below (a block's 2 MB-aligned interior
+// is still huge pages; its tail is small pages).
 size_t block_length(size_t bytes) {
 #if defined(DFLASH2_MMAP_BLOCKS)
-  return (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  static const size_t page = [] {
+    const long size = sysconf(_SC_PAGESIZE);
+    return size > 0 ? size_t(size) : size_t(4096);
+  }();
+  const size_t unit = bytes >= kWholeHugePagesFrom ? kHugePage : page;
+  return (bytes + unit - 1) / unit * unit;
 #else
   return bytes;
 #endif

@@ -1,10 +1,11 @@
-// Memory for the C++ ops' large CPU results (8 MiB and up), kept for reuse after the
+// Memory for the C++ ops' large CPU results (1 MiB and up), kept for reuse after the
 // tensor that held it is freed.
 //
 // Why: torch's CPU allocator hands such a request to glibc, which maps fresh pages for
-// it and unmaps them on free, so every call pays a page fault per page on first write.
-// A training step allocates the same results every step (the selector's dense [N, V]
-// dU: 500 MB at N = 4096, V = 32,000). On this project's VMs, writing 500 MB took
+// it (or trims them off its heap) on free, so a call pays a page fault per page on
+// first write. A training step allocates the same results every step (the selector's
+// dense [N, V] dU: 500 MB at N = 4096, V = 32,000; its 8 MB dA and dB at r = 64, 4,488
+// fresh pages every backward call before these came from the cache too). On this project's VMs, writing 500 MB took
 // 17-20 ms into memory already mapped against 60 ms into fresh 2 MB pages, 236-364 ms
 // into fresh 4 KB pages, and up to 1.2 s into fresh 2 MB pages right after other large
 // allocations were freed (likely memory the VM had handed back to its host;
@@ -13,7 +14,8 @@
 //
 // What it keeps: freed blocks, most recently freed first, up to DFLASH2_CPU_CACHE_MB
 // (default 1024; 0 keeps nothing), read on every call. A request takes a kept block of
-// exactly its mapped length (a multiple of 2 MB) or maps a new one; a block that would
+// exactly its mapped length (whole pages under 8 MiB, whole 2 MB huge pages from there,
+// so that nearby sizes share blocks) or maps a new one; a block that would
 // push the total past the limit evicts the least recently freed. A request the system
 // refuses empties the cache and tries once more. Python:
 // dflash2_kernels.cpu_cache_bytes() and empty_cpu_cache().
@@ -28,7 +30,7 @@
 
 namespace dflash2::cpu_result_cache {
 
-// An uninitialized contiguous CPU tensor of `sizes`: of 8 MiB and up, its memory from
+// An uninitialized contiguous CPU tensor of `sizes`: of 1 MiB and up, its memory from
 // the cache, its storage resizable (a resize moves it to torch's allocator and frees
 // the block); smaller (or sizes at::empty refuses, which it then reports), at::empty's.
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options);
