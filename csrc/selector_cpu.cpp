@@ -9,6 +9,9 @@
 // no separate zero fill, into memory kept from earlier calls (cpu_result_cache.h). dA
 // and dB are sums over rows grouped by id; they run over a stable counting sort of the
 // ids, so each id's terms are added in one fixed order whatever the number of threads.
+// On AVX-512 the backward's sums in double (g over a row's candidates, dA and dB over
+// an id's rows) hold each 64-wide chunk of r in registers (double_lanes.h), and dA and
+// dB are written past the cache; every path gives the same bits.
 #include <ATen/Parallel.h>
 #include <torch/all.h>
 
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "cpu_row_kernel.h"
+#include "double_lanes.h"
 #include "kernels/selector_math.h"
 #include "output_alloc.h"
 #include "selector_checks.h"
@@ -72,12 +76,6 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
       f(codebook_tag, float{});
     }
   });
-}
-
-// y[rho] += a * x[rho]: g's accumulation over a row's candidates.
-template <typename Acc, typename T>
-DFLASH2_ROW_KERNEL void scaled_add(Acc* __restrict y, Acc a, const T* __restrict x, int64_t length) {
-  for (int64_t rho = 0; rho < length; ++rho) y[rho] += a * static_cast<Acc>(x[rho]);
 }
 
 // The rows a row reads (its A row, its k B rows) lie anywhere in tables of up to V
@@ -162,16 +160,22 @@ class Unfilled {
 };
 
 // The entries of `ids` (values in [0, vocab)) grouped by id, stably: a counting sort.
-// entries[starts[id] .. starts[id + 1]) are the flat indices holding id, in order.
+// Slots starts[id] .. starts[id + 1] hold id's entries, in entry order: entries[s] is
+// the flat index, rows[s] its row (flat index / row_width) and, where weights are
+// given, weights[s] the entry's weight. The sweeps over ids read these in slot order:
+// a row is not a 64-bit division per entry, nor a weight a miss in an [N k] table.
 struct IdSegments {
-  std::vector<int64_t> starts;   // [vocab + 1]
-  Unfilled<int64_t> entries;  // [ids.size]
+  std::vector<int64_t> starts;  // [vocab + 1]
+  Unfilled<int64_t> entries;    // [ids.size]
+  Unfilled<int64_t> rows;       // [ids.size]
+  Unfilled<double> weights;     // [ids.size], or none
 };
 
 // Chunks of entries, one per thread, each counted into its own histogram; a chunk's
 // entries of an id go after the earlier chunks' entries of that id, so the order is the
-// stable one whatever the number of threads.
-IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab) {
+// stable one whatever the number of threads. weights: [count] or null.
+IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab, int64_t row_width = 1,
+                          const double* weights = nullptr) {
   constexpr int64_t kMinEntriesPerChunk = 8192;
   const int64_t chunks = std::clamp<int64_t>(count / kMinEntriesPerChunk, 1, at::get_num_threads());
   const auto chunk_begin = [&](int64_t chunk) { return chunk * count / chunks; };
@@ -182,7 +186,8 @@ IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab) {
       for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) ++counts[ids[e]];
     }
   });
-  IdSegments segments{std::vector<int64_t>(vocab + 1), Unfilled<int64_t>(count)};
+  IdSegments segments{std::vector<int64_t>(vocab + 1), Unfilled<int64_t>(count), Unfilled<int64_t>(count),
+                      Unfilled<double>(weights == nullptr ? 0 : count)};
   int64_t running = 0;
   for (int64_t id = 0; id < vocab; ++id) {
     segments.starts[id] = running;
@@ -196,7 +201,18 @@ IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab) {
   at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
     for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
       int64_t* slots = next.data() + chunk * vocab;
-      for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) segments.entries[slots[ids[e]]++] = e;
+      const int64_t begin = chunk_begin(chunk), width = std::max<int64_t>(row_width, 1);  // 0 only with no entries
+      int64_t row = begin / width, column = begin % width;
+      for (int64_t e = begin; e < chunk_begin(chunk + 1); ++e) {
+        const int64_t slot = slots[ids[e]]++;
+        segments.entries[slot] = e;
+        segments.rows[slot] = row;
+        if (weights != nullptr) segments.weights[slot] = weights[e];
+        if (++column == width) {
+          column = 0;
+          ++row;
+        }
+      }
     }
   });
   return segments;
@@ -284,55 +300,55 @@ void transitions_in_row_order(const TypedRows<W, P>& rows_of, const Rows& rows, 
 }
 
 // transition[entries[e]] for the entries e of ids [first_id, end_id): B row id read
-// once, dotted with each of its entries' contexts (row entry / k of contexts [N, r]).
+// once, dotted with each of its entries' contexts (row rows[e] of contexts [N, r]).
 template <typename Acc, typename W, typename Dot>
 DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, const W* b_table, int64_t b_stride,
-                                           const int64_t* starts, const int64_t* entries, int64_t first_id,
-                                           int64_t end_id, int64_t top_k, int64_t rank, Acc* transition) {
+                                           const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
+                                           int64_t first_id, int64_t end_id, int64_t rank, Acc* transition) {
   const int64_t last_entry = starts[end_id];
   for (int64_t id = first_id; id < end_id; ++id) {
     const W* b = b_table + id * b_stride;
     for (int64_t e = starts[id]; e < starts[id + 1]; ++e) {
       if (e + kPrefetchEntries < last_entry) {
-        prefetch_elements(contexts + (entries[e + kPrefetchEntries] / top_k) * rank, rank);
+        prefetch_elements(contexts + entry_rows[e + kPrefetchEntries] * rank, rank);
       }
-      transition[entries[e]] = dot(contexts + (entries[e] / top_k) * rank, b, rank);
+      transition[entries[e]] = dot(contexts + entry_rows[e] * rank, b, rank);
     }
   }
 }
 
 template <typename Acc, typename W>
 DFLASH2_ROW_KERNEL void dots_by_candidate_clone(const Acc* contexts, const W* b_table, int64_t b_stride,
-                                                const int64_t* starts, const int64_t* entries, int64_t first_id,
-                                                int64_t end_id, int64_t top_k, int64_t rank, Acc* transition) {
+                                                const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
+                                                int64_t first_id, int64_t end_id, int64_t rank, Acc* transition) {
   dots_by_candidate_with([](const Acc* x, const W* y, int64_t n) { return lane_dot(x, y, n); }, contexts, b_table,
-                         b_stride, starts, entries, first_id, end_id, top_k, rank, transition);
+                         b_stride, starts, entries, entry_rows, first_id, end_id, rank, transition);
 }
 
 #if DFLASH2_HAS_AVX512_KERNELS
 template <typename W>
 DFLASH2_AVX512_KERNEL void dots_by_candidate_avx512(const float* contexts, const W* b_table, int64_t b_stride,
-                                                    const int64_t* starts, const int64_t* entries, int64_t first_id,
-                                                    int64_t end_id, int64_t top_k, int64_t rank, float* transition) {
+                                                    const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
+                                                    int64_t first_id, int64_t end_id, int64_t rank, float* transition) {
   dots_by_candidate_with(
       [](const float* x, const W* y, int64_t n) __attribute__((always_inline)) { return lane_dot_in<16>(x, y, n); },
-      contexts, b_table, b_stride, starts, entries, first_id, end_id, top_k, rank, transition);
+      contexts, b_table, b_stride, starts, entries, entry_rows, first_id, end_id, rank, transition);
 }
 #endif
 
 template <typename Acc, typename W>
 void dots_by_candidate(const Acc* contexts, const W* b_table, int64_t b_stride, const int64_t* starts,
-                       const int64_t* entries, int64_t first_id, int64_t end_id, int64_t top_k, int64_t rank,
-                       Acc* transition) {
+                       const int64_t* entries, const int64_t* entry_rows, int64_t first_id, int64_t end_id,
+                       int64_t rank, Acc* transition) {
 #if DFLASH2_HAS_AVX512_KERNELS
   if constexpr (std::is_same_v<Acc, float>) {
     if (cpu_has_avx512()) {
-      return dots_by_candidate_avx512(contexts, b_table, b_stride, starts, entries, first_id, end_id, top_k, rank,
-                                      transition);
+      return dots_by_candidate_avx512(contexts, b_table, b_stride, starts, entries, entry_rows, first_id, end_id,
+                                      rank, transition);
     }
   }
 #endif
-  dots_by_candidate_clone(contexts, b_table, b_stride, starts, entries, first_id, end_id, top_k, rank, transition);
+  dots_by_candidate_clone(contexts, b_table, b_stride, starts, entries, entry_rows, first_id, end_id, rank, transition);
 }
 
 // The same terms (the same lane_dot, the same bits) in candidate-id order: each B row in
@@ -348,11 +364,12 @@ void transitions_by_candidate_order(const TypedRows<W, P>& rows_of, const Rows& 
       context_of_row(rows_of, rows, n, contexts.data() + n * rank);
     }
   });
-  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, shape.rows * shape.top_k, shape.vocab);
+  const IdSegments by_candidate =
+      segments_by_id(rows.candidate_ids, shape.rows * shape.top_k, shape.vocab, shape.top_k);
   const int64_t grain = std::max<int64_t>(1, shape.vocab / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, shape.vocab, grain, [&](int64_t begin, int64_t end) {
     dots_by_candidate(contexts.data(), rows_of.b_table, rows_of.b_stride, by_candidate.starts.data(),
-                      by_candidate.entries.data(), begin, end, shape.top_k, rank, transition);
+                      by_candidate.entries.data(), by_candidate.rows.data(), begin, end, rank, transition);
   });
 }
 
@@ -410,14 +427,13 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
   add_unary(rows, unary, unary_gathered, transition.data(), scores);
 }
 
-// Rows [begin, end) of a [V, r] table in W: row id = sum over id's entries e (in entry
-// order) of weight[e] * terms[e / divisor] (weight 1 where weights is null), in double
+// Rows [begin, end) of a [V, r] table in W: row id = sum over id's slots s (in slot
+// order) of weights[s] * terms[term_rows[s]] (weight 1 where weights is null), in double
 // whatever W is, rounded once; rows of ids with no entry are zero. One clone owns the
 // whole sweep, so its row arithmetic inlines and compiles for its target. acc: [rank].
 template <typename W, typename T>
-DFLASH2_ROW_KERNEL void id_sums(const int64_t* starts, const int64_t* entries, int64_t begin, int64_t end,
-                                const double* weights, const T* terms, int64_t divisor, int64_t rank, double* acc,
-                                W* out) {
+DFLASH2_ROW_KERNEL void id_sums(const int64_t* starts, const int64_t* term_rows, int64_t begin, int64_t end,
+                                const double* weights, const T* terms, int64_t rank, double* acc, W* out) {
   const int64_t last_entry = starts[end];
   for (int64_t id = begin; id < end; ++id) {
     W* row = out + id * rank;
@@ -428,14 +444,12 @@ DFLASH2_ROW_KERNEL void id_sums(const int64_t* starts, const int64_t* entries, i
     }
     std::fill(acc, acc + rank, 0.0);
     for (int64_t e = first; e < stop; ++e) {
-      if (e + kPrefetchEntries < last_entry) {
-        prefetch_elements(terms + entries[e + kPrefetchEntries] / divisor * rank, rank);
-      }
-      const T* term = terms + entries[e] / divisor * rank;
+      if (e + kPrefetchEntries < last_entry) prefetch_elements(terms + term_rows[e + kPrefetchEntries] * rank, rank);
+      const T* term = terms + term_rows[e] * rank;
       if (weights == nullptr) {
         for (int64_t rho = 0; rho < rank; ++rho) acc[rho] += static_cast<double>(term[rho]);
       } else {
-        const double weight = weights[entries[e]];
+        const double weight = weights[e];
         for (int64_t rho = 0; rho < rank; ++rho) acc[rho] += weight * static_cast<double>(term[rho]);
       }
     }
@@ -443,22 +457,218 @@ DFLASH2_ROW_KERNEL void id_sums(const int64_t* starts, const int64_t* entries, i
   }
 }
 
-// table [V, r] in W, every row (id_sums over segments). The sums run in double: a float
-// sum missed SPEC section 4 at training sizes, where an id's terms (~1,000 rows of a
-// 64k-row batch over a small vocabulary) form one serial chain while torch's reference
-// sums in a tree; the terms are products of two floats, exact in double. The whole table
-// is written in id order, so it needs no separate zero fill.
+#if DFLASH2_HAS_AVX512_KERNELS
+// id_sums with each 64-element chunk of an id's sum in registers (double_lanes.h):
+// an id's terms are read once per chunk, from cache after the first. W: float or
+// bfloat16; T: float, bfloat16 or double. kStream: the table's rows are written with
+// non-temporal stores (rank a multiple of 64, the table 64-byte aligned).
+template <bool kStream, typename W, typename T>
+DFLASH2_AVX512_KERNEL void id_sums_avx512(const int64_t* starts, const int64_t* term_rows, int64_t begin,
+                                          int64_t end, const double* weights, const T* terms, int64_t rank,
+                                          double* acc, W* out) {
+  const int64_t last_entry = starts[end];
+  const int64_t chunked = rank - rank % kDoubleChunk;
+  for (int64_t id = begin; id < end; ++id) {
+    W* row = out + id * rank;
+    const int64_t first = starts[id], stop = starts[id + 1];
+    if (first == stop) {
+      if constexpr (kStream) {
+        for (int64_t rho = 0; rho < rank; rho += 8) stream8(row + rho, FloatLanes<8>::floats{});
+      } else {
+        std::fill(row, row + rank, W(0));
+      }
+      continue;
+    }
+    const auto prefetch_ahead = [&](int64_t e) {
+      if (e + kPrefetchEntries < last_entry) prefetch_elements(terms + term_rows[e + kPrefetchEntries] * rank, rank);
+    };
+    for (int64_t c0 = 0; c0 < chunked; c0 += kDoubleChunk) {
+      DoubleChunk sums = zero_chunk();
+      for (int64_t e = first; e < stop; ++e) {
+        if (c0 == 0) prefetch_ahead(e);
+        const T* term = terms + term_rows[e] * rank + c0;
+        if (weights == nullptr) {
+          add_chunk(sums, term);
+        } else {
+          add_scaled_chunk(sums, weights[e], term);
+        }
+      }
+      for (int v = 0; v < 8; ++v) {
+        if constexpr (kStream) {
+          stream8(row + c0 + 8 * v, narrow8(sums.lanes[v]));
+        } else {
+          store_rounded8(row + c0 + 8 * v, sums.lanes[v]);
+        }
+      }
+    }
+    if (chunked == rank) continue;
+    std::fill(acc + chunked, acc + rank, 0.0);
+    for (int64_t e = first; e < stop; ++e) {
+      if (chunked == 0) prefetch_ahead(e);
+      const T* term = terms + term_rows[e] * rank;
+      const double weight = weights == nullptr ? 1.0 : weights[e];
+      for (int64_t rho = chunked; rho < rank; ++rho) acc[rho] += weight * static_cast<double>(term[rho]);
+    }
+    for (int64_t rho = chunked; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
+  }
+  if constexpr (kStream) _mm_sfence();
+}
+#endif
+
+// table [V, r] in W, every row (id_sums over segments, weighted by the segments' weights
+// where they have them). The sums run in double: a float sum missed SPEC section 4 at
+// training sizes, where an id's terms (~1,000 rows of a 64k-row batch over a small
+// vocabulary) form one serial chain while torch's reference sums in a tree; the terms
+// are products of two floats, exact in double. The whole table is written in id order,
+// so it needs no separate zero fill.
 template <typename W, typename T>
-void id_sum_table(const IdSegments& segments, const double* weights, const T* terms, int64_t divisor, int64_t rank,
-                  at::Tensor& table) {
+void id_sum_table(const IdSegments& segments, bool weighted, const T* terms, int64_t rank, at::Tensor& table) {
   const int64_t vocab = static_cast<int64_t>(segments.starts.size()) - 1;
   W* out = table.data_ptr<W>();
+  const double* weights = weighted ? segments.weights.data() : nullptr;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, rank));
   at::parallel_for(0, vocab, grain, [&](int64_t begin, int64_t end) {
     Unfilled<double> acc(rank);
-    id_sums<W, T>(segments.starts.data(), segments.entries.data(), begin, end, weights, terms, divisor, rank,
-                  acc.data(), out);
+#if DFLASH2_HAS_AVX512_KERNELS
+    if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16>) {
+      if (cpu_has_avx512()) {
+        const bool stream = rank % kDoubleChunk == 0 && reinterpret_cast<uintptr_t>(out) % kCacheLine == 0;
+        const auto sweep = stream ? id_sums_avx512<true, W, T> : id_sums_avx512<false, W, T>;
+        return sweep(segments.starts.data(), segments.rows.data(), begin, end, weights, terms, rank, acc.data(), out);
+      }
+    }
+#endif
+    id_sums<W, T>(segments.starts.data(), segments.rows.data(), begin, end, weights, terms, rank, acc.data(), out);
   });
+}
+
+// Rows [begin, end) of the backward's row pass: g = sum_j dS[n, j] B[cand[n, j]] in
+// double, then dP = A[pred] * g, row n's dA term P * g (double) and its context
+// A[pred] * P (the dB terms' row vector, Acc). One clone owns the rows, as id_sums.
+// ds: [N k] double; g: [rank].
+template <typename W, typename P, typename Acc>
+DFLASH2_ROW_KERNEL void backward_row_terms(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin,
+                                           int64_t end, const double* ds, double* g, P* dp_table,
+                                           double* projected_times_g, Acc* contexts) {
+  const int64_t rank = rows.shape.rank, top_k = rows.shape.top_k;
+  for (int64_t n = begin; n < end; ++n) {
+    prefetch_row_inputs(rows_of, rows, n + kPrefetchRows, end);
+    std::fill(g, g + rank, 0.0);
+    for (int64_t e = n * top_k; e < (n + 1) * top_k; ++e) {
+      prefetch_candidate_row(rows_of, rows, e + kPrefetchCandidates, end * top_k);
+      const W* b = rows_of.b(rows.candidate_ids[e]);
+      const double weight = ds[e];
+      for (int64_t rho = 0; rho < rank; ++rho) g[rho] += weight * static_cast<double>(b[rho]);
+    }
+    const W* a = rows_of.a(rows.predecessor_ids[n]);
+    const P* p = rows_of.p(n);
+    P* dp = dp_table + n * rank;
+    double* pg = projected_times_g + n * rank;
+    Acc* context = contexts + n * rank;
+    for (int64_t rho = 0; rho < rank; ++rho) {
+      const Acc a_rho = static_cast<Acc>(a[rho]), p_rho = static_cast<Acc>(p[rho]);
+      dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
+      pg[rho] = static_cast<double>(p_rho) * g[rho];
+      context[rho] = context_term(a_rho, p_rho);
+    }
+  }
+}
+
+#if DFLASH2_HAS_AVX512_KERNELS
+// backward_row_terms for float or bfloat16 codebooks (Acc float) with each 64-element
+// chunk of g in registers (double_lanes.h): a row's k B rows are read once per chunk,
+// from cache after the first.
+template <typename W, typename P>
+DFLASH2_AVX512_KERNEL void backward_row_terms_avx512(const TypedRows<W, P>& rows_of, const Rows& rows,
+                                                     int64_t begin, int64_t end, const double* ds, double* g,
+                                                     P* dp_table, double* projected_times_g, float* contexts) {
+  const int64_t rank = rows.shape.rank, top_k = rows.shape.top_k;
+  const int64_t chunked = rank - rank % kDoubleChunk;
+  for (int64_t n = begin; n < end; ++n) {
+    prefetch_row_inputs(rows_of, rows, n + kPrefetchRows, end);
+    const int64_t* candidates = rows.candidate_ids + n * top_k;
+    const double* weights = ds + n * top_k;
+    const auto prefetch_ahead = [&](int64_t j) {
+      prefetch_candidate_row(rows_of, rows, n * top_k + j + kPrefetchCandidates, end * top_k);
+    };
+    const W* a = rows_of.a(rows.predecessor_ids[n]);
+    const P* p = rows_of.p(n);
+    P* dp = dp_table + n * rank;
+    double* pg = projected_times_g + n * rank;
+    float* context = contexts + n * rank;
+    for (int64_t c0 = 0; c0 < chunked; c0 += kDoubleChunk) {
+      DoubleChunk sums = zero_chunk();
+      for (int64_t j = 0; j < top_k; ++j) {
+        if (c0 == 0) prefetch_ahead(j);
+        add_scaled_chunk(sums, weights[j], rows_of.b(candidates[j]) + c0);
+      }
+      for (int v = 0; v < 8; ++v) {
+        const int64_t at = c0 + 8 * v;
+        const FloatLanes<8>::floats a8 = load_floats<8>(a + at), p8 = load_floats<8>(p + at);
+        const Doubles8 a_d = widen8(a8), p_d = widen8(p8);
+        store_rounded8(dp + at, a_d * sums.lanes[v]);
+        const Doubles8 pg8 = p_d * sums.lanes[v];
+        std::memcpy(pg + at, &pg8, sizeof(pg8));
+        store_floats<8>(context + at, a8 * p8);
+      }
+    }
+    if (chunked == rank) continue;
+    std::fill(g + chunked, g + rank, 0.0);
+    for (int64_t j = 0; j < top_k; ++j) {
+      if (chunked == 0) prefetch_ahead(j);
+      const W* b = rows_of.b(candidates[j]);
+      for (int64_t rho = chunked; rho < rank; ++rho) g[rho] += weights[j] * static_cast<double>(b[rho]);
+    }
+    for (int64_t rho = chunked; rho < rank; ++rho) {
+      const float a_rho = static_cast<float>(a[rho]), p_rho = static_cast<float>(p[rho]);
+      dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
+      pg[rho] = static_cast<double>(p_rho) * g[rho];
+      context[rho] = context_term(a_rho, p_rho);
+    }
+  }
+}
+#endif
+
+template <typename W, typename P, typename Acc>
+void backward_row_terms_for_target(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin, int64_t end,
+                                   const double* ds, double* g, P* dp_table, double* projected_times_g,
+                                   Acc* contexts) {
+#if DFLASH2_HAS_AVX512_KERNELS
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16>) {
+    if (cpu_has_avx512()) {
+      return backward_row_terms_avx512(rows_of, rows, begin, end, ds, g, dp_table, projected_times_g, contexts);
+    }
+  }
+#endif
+  backward_row_terms(rows_of, rows, begin, end, ds, g, dp_table, projected_times_g, contexts);
+}
+
+// dU rows [begin, end) of full-vocabulary logits, whole: zeros (all-zero bits in every
+// float dtype), then the candidates' dS, repeated ids summed and rounded once at their
+// first occurrence. Written row by row, while the row is in cache, instead of after a
+// separate [N, V] zero fill. ds: [N k] double.
+void write_unary_gradient_rows(const Rows& rows, const double* ds, int64_t begin, int64_t end,
+                               at::Tensor& grad_unary) {
+  const int64_t top_k = rows.shape.top_k;
+  char* du = static_cast<char*>(grad_unary.data_ptr());
+  const int64_t row_bytes = grad_unary.stride(0) * grad_unary.element_size();
+  for (int64_t n = begin; n < end; ++n) {
+    const int64_t* candidates = rows.candidate_ids + n * top_k;
+    std::memset(du + n * row_bytes, 0, rows.shape.vocab * grad_unary.element_size());
+    for (int64_t j = 0; j < top_k; ++j) {
+      bool first_occurrence = true;
+      for (int64_t earlier = 0; earlier < j && first_occurrence; ++earlier) {
+        first_occurrence = candidates[earlier] != candidates[j];
+      }
+      if (!first_occurrence) continue;
+      double total = 0.0;
+      for (int64_t later = j; later < top_k; ++later) {
+        if (candidates[later] == candidates[j]) total += ds[n * top_k + later];
+      }
+      store_dynamic(grad_unary.data_ptr(), n * grad_unary.stride(0) + candidates[j], grad_unary.scalar_type(),
+                    total);
+    }
+  }
 }
 
 template <typename W, typename P>
@@ -466,11 +676,16 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
                      at::Tensor& grad_projected, at::Tensor& grad_predecessor, at::Tensor& grad_successor) {
   using Acc = accumulator_t<W>;
   const auto& shape = rows.shape;
-  const int64_t rank = shape.rank, top_k = shape.top_k;
+  const int64_t rank = shape.rank, entries = shape.rows * shape.top_k;
   const TypedRows<W, P> rows_of(rows);
-  const void* ds = grad.data_ptr();
+  // dS in double, read by the row pass (g's weights, dU) and, sorted by candidate, by
+  // dB's sums.
+  Unfilled<double> ds(entries);
+  const void* ds_in = grad.data_ptr();
   const auto ds_type = grad.scalar_type();
-  P* dp_table = grad_projected.data_ptr<P>();
+  at::parallel_for(0, entries, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    for (int64_t flat = begin; flat < end; ++flat) ds[flat] = load_dynamic(ds_in, flat, ds_type);
+  });
   // g = sum_j dS_j B[cand_j] runs in double (products of two floats are exact there),
   // as do the sums over ids below: in float, a batch whose rows share dS and ids (a
   // broadcast grad_scores) repeats g's rounding error in every row of an id's dA sum,
@@ -479,59 +694,17 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
   // one [N, r] row per term instead of an A row, a P row and a recomputation.
   Unfilled<double> projected_times_g(shape.rows * rank);
   Unfilled<Acc> contexts(shape.rows * rank);
-  char* du = unary_gathered ? nullptr : static_cast<char*>(grad_unary.data_ptr());
-  const int64_t du_row_bytes = unary_gathered ? 0 : grad_unary.stride(0) * grad_unary.element_size();
-
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<double> g(rank);
-    for (int64_t n = begin; n < end; ++n) {
-      prefetch_row_inputs(rows_of, rows, n + kPrefetchRows, end);
-      const int64_t* candidates = rows.candidate_ids + n * top_k;
-      std::fill(g.begin(), g.end(), 0.0);
-      for (int64_t j = 0; j < top_k; ++j) {
-        prefetch_candidate_row(rows_of, rows, n * top_k + j + kPrefetchCandidates, end * top_k);
-        scaled_add(g.data(), load_dynamic(ds, n * top_k + j, ds_type), rows_of.b(candidates[j]), rank);
-      }
-      const W* a = rows_of.a(rows.predecessor_ids[n]);
-      const P* p = rows_of.p(n);
-      P* dp = dp_table + n * rank;
-      double* pg = projected_times_g.data() + n * rank;
-      Acc* context = contexts.data() + n * rank;
-      for (int64_t rho = 0; rho < rank; ++rho) {
-        const Acc a_rho = static_cast<Acc>(a[rho]), p_rho = static_cast<Acc>(p[rho]);
-        dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
-        pg[rho] = static_cast<double>(p_rho) * g[rho];
-        context[rho] = context_term(a_rho, p_rho);
-      }
-      if (unary_gathered) continue;
-      // dU row n, whole: zeros (all-zero bits in every float dtype), then the candidates'
-      // dS, repeated ids summed and rounded once at their first occurrence. Written
-      // here, while the row is in cache, instead of after a separate [N, V] zero fill.
-      std::memset(du + n * du_row_bytes, 0, shape.vocab * grad_unary.element_size());
-      for (int64_t j = 0; j < top_k; ++j) {
-        bool first_occurrence = true;
-        for (int64_t earlier = 0; earlier < j && first_occurrence; ++earlier) {
-          first_occurrence = candidates[earlier] != candidates[j];
-        }
-        if (!first_occurrence) continue;
-        double total = 0.0;
-        for (int64_t later = j; later < top_k; ++later) {
-          if (candidates[later] == candidates[j]) total += load_dynamic(ds, n * top_k + later, ds_type);
-        }
-        store_dynamic(grad_unary.data_ptr(), n * grad_unary.stride(0) + candidates[j], grad_unary.scalar_type(),
-                      total);
-      }
-    }
+    Unfilled<double> g(rank);
+    backward_row_terms_for_target(rows_of, rows, begin, end, ds.data(), g.data(), grad_projected.data_ptr<P>(),
+                                  projected_times_g.data(), contexts.data());
+    if (!unary_gathered) write_unary_gradient_rows(rows, ds.data(), begin, end, grad_unary);
   });
 
   const IdSegments by_predecessor = segments_by_id(rows.predecessor_ids, shape.rows, shape.vocab);
-  id_sum_table<W>(by_predecessor, nullptr, projected_times_g.data(), 1, rank, grad_predecessor);
-  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, shape.rows * top_k, shape.vocab);
-  Unfilled<double> weights(shape.rows * top_k);
-  at::parallel_for(0, shape.rows * top_k, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
-    for (int64_t flat = begin; flat < end; ++flat) weights[flat] = load_dynamic(ds, flat, ds_type);
-  });
-  id_sum_table<W>(by_candidate, weights.data(), contexts.data(), top_k, rank, grad_successor);
+  id_sum_table<W>(by_predecessor, /*weighted=*/false, projected_times_g.data(), rank, grad_predecessor);
+  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, entries, shape.vocab, shape.top_k, ds.data());
+  id_sum_table<W>(by_candidate, /*weighted=*/true, contexts.data(), rank, grad_successor);
 }
 
 at::Tensor selector_scores_cpu(const at::Tensor& unary, const at::Tensor& projected,

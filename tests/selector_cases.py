@@ -44,8 +44,15 @@ CASES = [
     # at such ratios; test_cpu_forward_orders_give_the_same_bits runs both orders)
     SelectorCase((1024,), 300, 64, 16),
     SelectorCase((512,), 200, 40, 16, BF16, BF16, BF16),  # the same, 16-bit, r not a multiple of 16
-    # Training size: dA sums ~1,000 rows an id, dB ~4,000 terms, each in one serial chain.
-    SelectorCase((65536,), 64, 16, 4),
+    # The CPU backward's AVX-512 sums (csrc/double_lanes.h) take r in 64-wide chunks, a
+    # tail after them: one chunk and a tail, in 16-bit rows; two chunks of bf16 codebooks
+    # under fp32 P; a chunk and a 36-wide tail.
+    SelectorCase((96,), 50, 80, 6, BF16, BF16, BF16),
+    SelectorCase((48,), 30, 128, 4, F32, F32, BF16),
+    SelectorCase((3, 20), 40, 100, 8),
+    # Training size: dA sums ~1,000 rows an id, dB ~4,000 terms, each in one serial chain
+    # (r = 80: a 64-wide chunk and a tail).
+    SelectorCase((65536,), 64, 80, 4),
 ]
 
 
