@@ -7,8 +7,13 @@
 //               selector's scheme before 5536583, R = 4)
 //   cand:D      each candidate's row requested D candidates ahead (the scheme since)
 //
+// With --cold first, 64 MB are written before every timed call, so the table starts in
+// DRAM, as it does in a training step, where the projection GEMMs and the other layers
+// pass tens of MB through the cache between the selector's calls.
+//
 //   g++ -O3 -fopenmp benchmarks/micro/gather_prefetch.cpp -o /tmp/gather_prefetch
 //   OMP_NUM_THREADS=2 /tmp/gather_prefetch 64 none row:4 row:1 cand:4 cand:8 cand:16
+//   OMP_NUM_THREADS=2 /tmp/gather_prefetch --cold 64 cand:8 cand:16 cand:32
 #include <immintrin.h>
 #include <omp.h>
 
@@ -43,8 +48,13 @@ struct Scheme {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const bool cold = argc > 1 && std::strcmp(argv[1], "--cold") == 0;
+  if (cold) {
+    --argc;
+    ++argv;
+  }
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s RANK SCHEME...  (SCHEME: none, row:R, cand:D)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [--cold] RANK SCHEME...  (SCHEME: none, row:R, cand:D)\n", argv[0]);
     return 2;
   }
   const int rank = std::atoi(argv[1]);
@@ -83,9 +93,14 @@ int main(int argc, char** argv) {
   for (const auto& scheme : schemes) {
     for (int i = 0; i < 10; ++i) run(scheme);
   }
+  std::vector<char> eviction(cold ? size_t(64) << 20 : 0);
   std::vector<std::vector<double>> samples(schemes.size());
   for (int round = 0; round < 150; ++round) {
     for (size_t s = 0; s < schemes.size(); ++s) {
+      if (cold) {
+#pragma omp parallel for schedule(static)
+        for (size_t byte = 0; byte < eviction.size(); byte += 64) eviction[byte] = char(round + s);
+      }
       const auto start = std::chrono::steady_clock::now();
       run(schemes[s]);
       samples[s].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
@@ -94,8 +109,8 @@ int main(int argc, char** argv) {
   for (size_t s = 0; s < schemes.size(); ++s) {
     auto& v = samples[s];
     std::sort(v.begin(), v.end());
-    std::printf("r=%d %-8s min %.3f  p20 %.3f  median %.3f ms\n", rank, schemes[s].name.c_str(), v[0], v[v.size() / 5],
-                v[v.size() / 2]);
+    std::printf("r=%d%s %-8s min %.3f  p20 %.3f  median %.3f ms\n", rank, cold ? " cold" : "", schemes[s].name.c_str(),
+                v[0], v[v.size() / 5], v[v.size() / 2]);
   }
   return 0;
 }
