@@ -91,7 +91,7 @@ DFLASH2_AVX512_INLINE void store_rounded8(T* p, Doubles8 x) {
 }
 
 // Non-temporal stores, for tables written once and read much later (the gradients dA
-// and dB, 8 MB and up): a plain store to a line not in cache first reads the line
+// and dB, [V, r]: 8 MB at V = 32,000, r = 64): a plain store to a line not in cache first reads the line
 // (read for ownership), doubling the traffic; these go to memory through the
 // write-combining buffers, which fill whole lines from consecutive stores. p: aligned
 // to the 8 elements' size (32 bytes of float, 16 of bfloat16). A kernel that uses them
