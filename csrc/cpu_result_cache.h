@@ -5,12 +5,12 @@
 // it (or trims them off its heap) on free, so a call pays a page fault per page on
 // first write. A training step allocates the same results every step (the selector's
 // dense [N, V] dU: 500 MB at N = 4096, V = 32,000; its 8 MB dA and dB at r = 64, 4,488
-// fresh pages every backward call before these came from the cache too). On this project's VMs, writing 500 MB took
-// 17-20 ms into memory already mapped against 60 ms into fresh 2 MB pages, 236-364 ms
-// into fresh 4 KB pages, and up to 1.2 s into fresh 2 MB pages right after other large
-// allocations were freed (likely memory the VM had handed back to its host;
-// docs/BENCHMARKS.md). Blocks are mapped with huge pages requested (madvise; where THP
-// is off or "always" that changes nothing).
+// fresh pages every backward call before these came from the cache too). On this
+// project's VMs, writing 500 MB took 17-20 ms into memory already mapped against 60 ms
+// into fresh 2 MB pages, 236-364 ms into fresh 4 KB pages, and up to 1.2 s into fresh
+// 2 MB pages right after other large allocations were freed (likely memory the VM had
+// handed back to its host; docs/BENCHMARKS.md). Blocks are mapped with huge pages
+// requested (madvise; where THP is off or "always" that changes nothing).
 //
 // What it keeps: freed blocks, most recently freed first, up to DFLASH2_CPU_CACHE_MB
 // (default 1024; 0 keeps nothing), read on every call. A request takes a kept block of

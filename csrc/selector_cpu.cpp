@@ -319,8 +319,9 @@ DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, 
 
 template <typename Acc, typename W>
 DFLASH2_ROW_KERNEL void dots_by_candidate_clone(const Acc* contexts, const W* b_table, int64_t b_stride,
-                                                const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
-                                                int64_t first_id, int64_t end_id, int64_t rank, Acc* transition) {
+                                                const int64_t* starts, const int64_t* entries,
+                                                const int64_t* entry_rows, int64_t first_id, int64_t end_id,
+                                                int64_t rank, Acc* transition) {
   dots_by_candidate_with([](const Acc* x, const W* y, int64_t n) { return lane_dot(x, y, n); }, contexts, b_table,
                          b_stride, starts, entries, entry_rows, first_id, end_id, rank, transition);
 }
@@ -328,8 +329,9 @@ DFLASH2_ROW_KERNEL void dots_by_candidate_clone(const Acc* contexts, const W* b_
 #if DFLASH2_HAS_AVX512_KERNELS
 template <typename W>
 DFLASH2_AVX512_KERNEL void dots_by_candidate_avx512(const float* contexts, const W* b_table, int64_t b_stride,
-                                                    const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
-                                                    int64_t first_id, int64_t end_id, int64_t rank, float* transition) {
+                                                    const int64_t* starts, const int64_t* entries,
+                                                    const int64_t* entry_rows, int64_t first_id, int64_t end_id,
+                                                    int64_t rank, float* transition) {
   dots_by_candidate_with(
       [](const float* x, const W* y, int64_t n) __attribute__((always_inline)) { return lane_dot_in<16>(x, y, n); },
       contexts, b_table, b_stride, starts, entries, entry_rows, first_id, end_id, rank, transition);
