@@ -160,14 +160,15 @@ class Unfilled {
 };
 
 // The entries of `ids` (values in [0, vocab)) grouped by id, stably: a counting sort.
-// Slots starts[id] .. starts[id + 1] hold id's entries, in entry order: entries[s] is
-// the flat index, rows[s] its row (flat index / row_width) and, where weights are
-// given, weights[s] the entry's weight. The sweeps over ids read these in slot order:
-// a row is not a 64-bit division per entry, nor a weight a miss in an [N k] table.
+// Slots starts[id] .. starts[id + 1] hold id's entries, in entry order: rows[s] is the
+// entry's row (flat index / row_width), entries[s] its flat index where asked for (with
+// row_width 1 it is the row) and weights[s] its weight where weights are given. The
+// sweeps over ids read these in slot order: a row is not a 64-bit division per entry,
+// nor a weight a miss in an [N k] table.
 struct IdSegments {
   std::vector<int64_t> starts;  // [vocab + 1]
-  Unfilled<int64_t> entries;    // [ids.size]
   Unfilled<int64_t> rows;       // [ids.size]
+  Unfilled<int64_t> entries;    // [ids.size], or none
   Unfilled<double> weights;     // [ids.size], or none
 };
 
@@ -175,7 +176,7 @@ struct IdSegments {
 // entries of an id go after the earlier chunks' entries of that id, so the order is the
 // stable one whatever the number of threads. weights: [count] or null.
 IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab, int64_t row_width = 1,
-                          const double* weights = nullptr) {
+                          bool with_entries = false, const double* weights = nullptr) {
   constexpr int64_t kMinEntriesPerChunk = 8192;
   const int64_t chunks = std::clamp<int64_t>(count / kMinEntriesPerChunk, 1, at::get_num_threads());
   const auto chunk_begin = [&](int64_t chunk) { return chunk * count / chunks; };
@@ -186,8 +187,8 @@ IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab, int6
       for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) ++counts[ids[e]];
     }
   });
-  IdSegments segments{std::vector<int64_t>(vocab + 1), Unfilled<int64_t>(count), Unfilled<int64_t>(count),
-                      Unfilled<double>(weights == nullptr ? 0 : count)};
+  IdSegments segments{std::vector<int64_t>(vocab + 1), Unfilled<int64_t>(count),
+                      Unfilled<int64_t>(with_entries ? count : 0), Unfilled<double>(weights == nullptr ? 0 : count)};
   int64_t running = 0;
   for (int64_t id = 0; id < vocab; ++id) {
     segments.starts[id] = running;
@@ -205,8 +206,8 @@ IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab, int6
       int64_t row = begin / width, column = begin % width;
       for (int64_t e = begin; e < chunk_begin(chunk + 1); ++e) {
         const int64_t slot = slots[ids[e]]++;
-        segments.entries[slot] = e;
         segments.rows[slot] = row;
+        if (with_entries) segments.entries[slot] = e;
         if (weights != nullptr) segments.weights[slot] = weights[e];
         if (++column == width) {
           column = 0;
@@ -367,7 +368,7 @@ void transitions_by_candidate_order(const TypedRows<W, P>& rows_of, const Rows& 
     }
   });
   const IdSegments by_candidate =
-      segments_by_id(rows.candidate_ids, shape.rows * shape.top_k, shape.vocab, shape.top_k);
+      segments_by_id(rows.candidate_ids, shape.rows * shape.top_k, shape.vocab, shape.top_k, /*with_entries=*/true);
   const int64_t grain = std::max<int64_t>(1, shape.vocab / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, shape.vocab, grain, [&](int64_t begin, int64_t end) {
     dots_by_candidate(contexts.data(), rows_of.b_table, rows_of.b_stride, by_candidate.starts.data(),
@@ -429,6 +430,29 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
   add_unary(rows, unary, unary_gathered, transition.data(), scores);
 }
 
+// Elements [first_rho, rank) of the row of the id whose slots are [first, stop), acc
+// [rank] in memory: the whole sum of the clone below, the tail after the AVX-512
+// kernel's 64-wide chunks. The terms' rows are prefetched ahead where `prefetch`.
+template <typename W, typename T>
+DFLASH2_INLINE void id_sum_elements(const int64_t* term_rows, int64_t first, int64_t stop, int64_t last_entry,
+                                    bool prefetch, const double* weights, const T* terms, int64_t first_rho,
+                                    int64_t rank, double* acc, W* row) {
+  std::fill(acc + first_rho, acc + rank, 0.0);
+  for (int64_t e = first; e < stop; ++e) {
+    if (prefetch && e + kPrefetchEntries < last_entry) {
+      prefetch_elements(terms + term_rows[e + kPrefetchEntries] * rank, rank);
+    }
+    const T* term = terms + term_rows[e] * rank;
+    if (weights == nullptr) {
+      for (int64_t rho = first_rho; rho < rank; ++rho) acc[rho] += static_cast<double>(term[rho]);
+    } else {
+      const double weight = weights[e];
+      for (int64_t rho = first_rho; rho < rank; ++rho) acc[rho] += weight * static_cast<double>(term[rho]);
+    }
+  }
+  for (int64_t rho = first_rho; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
+}
+
 // Rows [begin, end) of a [V, r] table in W: row id = sum over id's slots s (in slot
 // order) of weights[s] * terms[term_rows[s]] (weight 1 where weights is null), in double
 // whatever W is, rounded once; rows of ids with no entry are zero. One clone owns the
@@ -436,26 +460,14 @@ void scores_forward(const Rows& rows, const at::Tensor& unary, bool unary_gather
 template <typename W, typename T>
 DFLASH2_ROW_KERNEL void id_sums(const int64_t* starts, const int64_t* term_rows, int64_t begin, int64_t end,
                                 const double* weights, const T* terms, int64_t rank, double* acc, W* out) {
-  const int64_t last_entry = starts[end];
   for (int64_t id = begin; id < end; ++id) {
     W* row = out + id * rank;
-    const int64_t first = starts[id], stop = starts[id + 1];
-    if (first == stop) {
+    if (starts[id] == starts[id + 1]) {
       std::fill(row, row + rank, W(0));
-      continue;
+    } else {
+      id_sum_elements(term_rows, starts[id], starts[id + 1], starts[end], /*prefetch=*/true, weights, terms, 0, rank,
+                      acc, row);
     }
-    std::fill(acc, acc + rank, 0.0);
-    for (int64_t e = first; e < stop; ++e) {
-      if (e + kPrefetchEntries < last_entry) prefetch_elements(terms + term_rows[e + kPrefetchEntries] * rank, rank);
-      const T* term = terms + term_rows[e] * rank;
-      if (weights == nullptr) {
-        for (int64_t rho = 0; rho < rank; ++rho) acc[rho] += static_cast<double>(term[rho]);
-      } else {
-        const double weight = weights[e];
-        for (int64_t rho = 0; rho < rank; ++rho) acc[rho] += weight * static_cast<double>(term[rho]);
-      }
-    }
-    for (int64_t rho = 0; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
   }
 }
 
@@ -503,15 +515,10 @@ DFLASH2_AVX512_KERNEL void id_sums_avx512(const int64_t* starts, const int64_t* 
         }
       }
     }
-    if (chunked == rank) continue;
-    std::fill(acc + chunked, acc + rank, 0.0);
-    for (int64_t e = first; e < stop; ++e) {
-      if (chunked == 0) prefetch_ahead(e);
-      const T* term = terms + term_rows[e] * rank;
-      const double weight = weights == nullptr ? 1.0 : weights[e];
-      for (int64_t rho = chunked; rho < rank; ++rho) acc[rho] += weight * static_cast<double>(term[rho]);
+    if (chunked < rank) {
+      id_sum_elements(term_rows, first, stop, last_entry, /*prefetch=*/chunked == 0, weights, terms, chunked, rank,
+                      acc, row);
     }
-    for (int64_t rho = chunked; rho < rank; ++rho) row[rho] = round_from_double<W>(acc[rho]);
   }
   if constexpr (kStream) _mm_sfence();
 }
@@ -544,35 +551,47 @@ void id_sum_table(const IdSegments& segments, bool weighted, const T* terms, int
   });
 }
 
-// Rows [begin, end) of the backward's row pass: g = sum_j dS[n, j] B[cand[n, j]] in
-// double, then dP = A[pred] * g, row n's dA term P * g (double) and its context
-// A[pred] * P (the dB terms' row vector, Acc). One clone owns the rows, as id_sums.
-// ds: [N k] double; g: [rank].
+// Elements [first_rho, rank) of row n of the backward's row pass: g = sum_j dS[n, j]
+// B[cand[n, j]] in double (g [rank] in memory), then dP = A[pred] * g, row n's dA term
+// P * g (double) and its context A[pred] * P (the dB terms' row vector, Acc). The whole
+// row in the clone below, the tail after the AVX-512 kernel's 64-wide chunks. The
+// candidates' B rows are prefetched ahead (rows up to `end`) where `prefetch`.
+// ds: [N k] double.
 template <typename W, typename P, typename Acc>
-DFLASH2_ROW_KERNEL void backward_row_terms(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin,
-                                           int64_t end, const double* ds, double* g, P* dp_table,
-                                           double* projected_times_g, Acc* contexts) {
+DFLASH2_INLINE void backward_row_elements(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t n, int64_t end,
+                                          bool prefetch, int64_t first_rho, const double* ds, double* g,
+                                          P* dp_table, double* projected_times_g, Acc* contexts) {
   const int64_t rank = rows.shape.rank, top_k = rows.shape.top_k;
+  std::fill(g + first_rho, g + rank, 0.0);
+  for (int64_t e = n * top_k; e < (n + 1) * top_k; ++e) {
+    if (prefetch) prefetch_candidate_row(rows_of, rows, e + kPrefetchCandidates, end * top_k);
+    const W* b = rows_of.b(rows.candidate_ids[e]);
+    const double weight = ds[e];
+    for (int64_t rho = first_rho; rho < rank; ++rho) g[rho] += weight * static_cast<double>(b[rho]);
+  }
+  const W* a = rows_of.a(rows.predecessor_ids[n]);
+  const P* p = rows_of.p(n);
+  P* dp = dp_table + n * rank;
+  double* pg = projected_times_g + n * rank;
+  Acc* context = contexts + n * rank;
+  for (int64_t rho = first_rho; rho < rank; ++rho) {
+    const Acc a_rho = static_cast<Acc>(a[rho]), p_rho = static_cast<Acc>(p[rho]);
+    dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
+    pg[rho] = static_cast<double>(p_rho) * g[rho];
+    context[rho] = context_term(a_rho, p_rho);
+  }
+}
+
+// Rows [begin, end) of the backward's row pass (backward_row_elements, whole rows). One
+// clone owns the rows, as id_sums. g: [rank].
+template <typename W, typename P, typename Acc>
+DFLASH2_ROW_KERNEL void backward_row_terms_clone(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin,
+                                                 int64_t end, const double* ds, double* g, P* dp_table,
+                                                 double* projected_times_g, Acc* contexts) {
   for (int64_t n = begin; n < end; ++n) {
     prefetch_row_inputs(rows_of, rows, n + kPrefetchRows, end);
-    std::fill(g, g + rank, 0.0);
-    for (int64_t e = n * top_k; e < (n + 1) * top_k; ++e) {
-      prefetch_candidate_row(rows_of, rows, e + kPrefetchCandidates, end * top_k);
-      const W* b = rows_of.b(rows.candidate_ids[e]);
-      const double weight = ds[e];
-      for (int64_t rho = 0; rho < rank; ++rho) g[rho] += weight * static_cast<double>(b[rho]);
-    }
-    const W* a = rows_of.a(rows.predecessor_ids[n]);
-    const P* p = rows_of.p(n);
-    P* dp = dp_table + n * rank;
-    double* pg = projected_times_g + n * rank;
-    Acc* context = contexts + n * rank;
-    for (int64_t rho = 0; rho < rank; ++rho) {
-      const Acc a_rho = static_cast<Acc>(a[rho]), p_rho = static_cast<Acc>(p[rho]);
-      dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
-      pg[rho] = static_cast<double>(p_rho) * g[rho];
-      context[rho] = context_term(a_rho, p_rho);
-    }
+    backward_row_elements(rows_of, rows, n, end, /*prefetch=*/true, 0, ds, g, dp_table, projected_times_g,
+                          contexts);
   }
 }
 
@@ -614,27 +633,17 @@ DFLASH2_AVX512_KERNEL void backward_row_terms_avx512(const TypedRows<W, P>& rows
         store_floats<8>(context + at, a8 * p8);
       }
     }
-    if (chunked == rank) continue;
-    std::fill(g + chunked, g + rank, 0.0);
-    for (int64_t j = 0; j < top_k; ++j) {
-      if (chunked == 0) prefetch_ahead(j);
-      const W* b = rows_of.b(candidates[j]);
-      for (int64_t rho = chunked; rho < rank; ++rho) g[rho] += weights[j] * static_cast<double>(b[rho]);
-    }
-    for (int64_t rho = chunked; rho < rank; ++rho) {
-      const float a_rho = static_cast<float>(a[rho]), p_rho = static_cast<float>(p[rho]);
-      dp[rho] = round_from_double<P>(static_cast<double>(a_rho) * g[rho]);
-      pg[rho] = static_cast<double>(p_rho) * g[rho];
-      context[rho] = context_term(a_rho, p_rho);
+    if (chunked < rank) {
+      backward_row_elements(rows_of, rows, n, end, /*prefetch=*/chunked == 0, chunked, ds, g, dp_table,
+                            projected_times_g, contexts);
     }
   }
 }
 #endif
 
 template <typename W, typename P, typename Acc>
-void backward_row_terms_for_target(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin, int64_t end,
-                                   const double* ds, double* g, P* dp_table, double* projected_times_g,
-                                   Acc* contexts) {
+void backward_row_terms(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t begin, int64_t end,
+                        const double* ds, double* g, P* dp_table, double* projected_times_g, Acc* contexts) {
 #if DFLASH2_HAS_AVX512_KERNELS
   if constexpr (std::is_same_v<W, float> || std::is_same_v<W, at::BFloat16>) {
     if (cpu_has_avx512()) {
@@ -642,7 +651,7 @@ void backward_row_terms_for_target(const TypedRows<W, P>& rows_of, const Rows& r
     }
   }
 #endif
-  backward_row_terms(rows_of, rows, begin, end, ds, g, dp_table, projected_times_g, contexts);
+  backward_row_terms_clone(rows_of, rows, begin, end, ds, g, dp_table, projected_times_g, contexts);
 }
 
 // dU rows [begin, end) of full-vocabulary logits, whole: zeros (all-zero bits in every
@@ -698,14 +707,15 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
   Unfilled<Acc> contexts(shape.rows * rank);
   at::parallel_for(0, shape.rows, 16, [&](int64_t begin, int64_t end) {
     Unfilled<double> g(rank);
-    backward_row_terms_for_target(rows_of, rows, begin, end, ds.data(), g.data(), grad_projected.data_ptr<P>(),
-                                  projected_times_g.data(), contexts.data());
+    backward_row_terms(rows_of, rows, begin, end, ds.data(), g.data(), grad_projected.data_ptr<P>(),
+                       projected_times_g.data(), contexts.data());
     if (!unary_gathered) write_unary_gradient_rows(rows, ds.data(), begin, end, grad_unary);
   });
 
   const IdSegments by_predecessor = segments_by_id(rows.predecessor_ids, shape.rows, shape.vocab);
   id_sum_table<W>(by_predecessor, /*weighted=*/false, projected_times_g.data(), rank, grad_predecessor);
-  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, entries, shape.vocab, shape.top_k, ds.data());
+  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, entries, shape.vocab, shape.top_k, /*with_entries=*/false,
+                                                   ds.data());
   id_sum_table<W>(by_candidate, /*weighted=*/true, contexts.data(), rank, grad_successor);
 }
 
