@@ -35,7 +35,6 @@
 namespace dflash2::cpu_result_cache {
 namespace {
 
-constexpr size_t kMinBytes = size_t(1) << 20;
 constexpr size_t kWholeHugePagesFrom = size_t(8) << 20;
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kDefaultLimitMiB = 1024;
@@ -208,6 +207,8 @@ at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
       .resizeable_storage()
       .make_tensor();
 }
+
+at::Tensor scratch(int64_t bytes) { return empty({bytes}, at::TensorOptions().dtype(at::kByte)); }
 
 size_t retained_bytes() {
   Cache& state = cache();

@@ -4,8 +4,9 @@
 // tests instead of passing with whatever the allocator left there (torch's caching
 // allocator hands back recently freed, often correct-looking, memory).
 //
-// CPU results of 1 MiB and up come from cpu_result_cache.h: memory kept from earlier
+// CPU results of 64 KiB and up come from cpu_result_cache.h: memory kept from earlier
 // calls, with huge pages requested, instead of fresh pages faulted in on first write.
+// (Kernel temporaries take the same memory through cpu_result_cache::scratch.)
 #pragma once
 
 #include <torch/all.h>

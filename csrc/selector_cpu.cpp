@@ -91,7 +91,15 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
 constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t kPrefetchCandidates = 8;
 constexpr int64_t kPrefetchEntries = 16;
+constexpr int64_t kPrefetchIds = 2;
+constexpr int64_t kPrefetchEntryBytes = 4096;
 constexpr int64_t kCacheLine = 64;
+
+// Entries ahead to request a context row of row_bytes in the candidate-order dots: a
+// lead of kPrefetchEntryBytes (16 rows at r = 64 fp32, 4 at r = 256), at least 2.
+inline int64_t entries_ahead_for(int64_t row_bytes) {
+  return std::max<int64_t>(2, kPrefetchEntryBytes / std::max<int64_t>(row_bytes, 1));
+}
 
 template <typename T>
 inline void prefetch_elements(const T* first, int64_t count) {
@@ -145,18 +153,34 @@ DFLASH2_INLINE void prefetch_candidate_row(const TypedRows<W, P>& rows_of, const
 }
 
 // count elements of T, left unset: for buffers a kernel writes whole before it reads
-// them (a std::vector would zero them first: an 8 MB memset a call at r = 256).
+// them (a std::vector would zero them first: an 8 MB memset a call at r = 256). From
+// cpu_result_cache::kMinBytes their memory is kept across calls (cpu_result_cache.h),
+// as fresh pages would fault on first write every call. Poisoned (all bits set: NaN,
+// or -1) where outputs are (output_alloc.h), so that an element read before it is
+// written shows.
 template <typename T>
 class Unfilled {
  public:
-  explicit Unfilled(int64_t count) : data_(new T[count]) {}
-  T* data() { return data_.get(); }
-  const T* data() const { return data_.get(); }
+  explicit Unfilled(int64_t count) {
+    const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+    if (bytes >= static_cast<int64_t>(cpu_result_cache::kMinBytes)) {
+      kept_ = cpu_result_cache::scratch(bytes);
+      data_ = static_cast<T*>(kept_.data_ptr());
+    } else {
+      small_.reset(new T[count]);
+      data_ = small_.get();
+    }
+    if (poison_outputs()) std::memset(static_cast<void*>(data_), 0xFF, bytes);
+  }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
   T& operator[](int64_t i) { return data_[i]; }
   const T& operator[](int64_t i) const { return data_[i]; }
 
  private:
-  std::unique_ptr<T[]> data_;
+  at::Tensor kept_;
+  std::unique_ptr<T[]> small_;
+  T* data_ = nullptr;
 };
 
 // The entries of `ids` (values in [0, vocab)) grouped by id, stably: a counting sort.
@@ -166,7 +190,8 @@ class Unfilled {
 // sweeps over ids read these in slot order: a row is not a 64-bit division per entry,
 // nor a weight a miss in an [N k] table.
 struct IdSegments {
-  std::vector<int64_t> starts;  // [vocab + 1]
+  int64_t vocab;
+  Unfilled<int64_t> starts;     // [vocab + 1]
   Unfilled<int64_t> rows;       // [ids.size]
   Unfilled<int64_t> entries;    // [ids.size], or none
   Unfilled<double> weights;     // [ids.size], or none
@@ -180,14 +205,15 @@ IdSegments segments_by_id(const int64_t* ids, int64_t count, int64_t vocab, int6
   constexpr int64_t kMinEntriesPerChunk = 8192;
   const int64_t chunks = std::clamp<int64_t>(count / kMinEntriesPerChunk, 1, at::get_num_threads());
   const auto chunk_begin = [&](int64_t chunk) { return chunk * count / chunks; };
-  std::vector<int64_t> next(chunks * vocab, 0);  // [chunk, id]: a count, then where its next entry goes
+  Unfilled<int64_t> next(chunks * vocab);  // [chunk, id]: a count, then where its next entry goes
+  std::fill_n(next.data(), chunks * vocab, int64_t(0));
   at::parallel_for(0, chunks, 1, [&](int64_t first_chunk, int64_t end_chunk) {
     for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
       int64_t* counts = next.data() + chunk * vocab;
       for (int64_t e = chunk_begin(chunk); e < chunk_begin(chunk + 1); ++e) ++counts[ids[e]];
     }
   });
-  IdSegments segments{std::vector<int64_t>(vocab + 1), Unfilled<int64_t>(count),
+  IdSegments segments{vocab, Unfilled<int64_t>(vocab + 1), Unfilled<int64_t>(count),
                       Unfilled<int64_t>(with_entries ? count : 0), Unfilled<double>(weights == nullptr ? 0 : count)};
   int64_t running = 0;
   for (int64_t id = 0; id < vocab; ++id) {
@@ -302,16 +328,24 @@ void transitions_in_row_order(const TypedRows<W, P>& rows_of, const Rows& rows, 
 
 // transition[entries[e]] for the entries e of ids [first_id, end_id): B row id read
 // once, dotted with each of its entries' contexts (row rows[e] of contexts [N, r]).
+// B is read in id order, but a 4 KB page holds 4 of its rows at r = 256 fp32 and the
+// hardware's stream prefetch stops at page ends: the B row of the id kPrefetchIds ahead
+// is requested too, where that id has entries (r = 256, in turns with the bench's
+// floor: 0.94-0.96 of the time without, and a lead of 4 KB of context rows, rather
+// than 16 rows whatever their width, 0.97 of the time of 16; docs/BENCHMARKS.md).
 template <typename Acc, typename W, typename Dot>
 DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, const W* b_table, int64_t b_stride,
                                            const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
                                            int64_t first_id, int64_t end_id, int64_t rank, Acc* transition) {
   const int64_t last_entry = starts[end_id];
+  const int64_t entries_ahead = entries_ahead_for(rank * static_cast<int64_t>(sizeof(Acc)));
   for (int64_t id = first_id; id < end_id; ++id) {
     const W* b = b_table + id * b_stride;
+    const int64_t ahead = id + kPrefetchIds;
+    if (ahead < end_id && starts[ahead] != starts[ahead + 1]) prefetch_elements(b + kPrefetchIds * b_stride, rank);
     for (int64_t e = starts[id]; e < starts[id + 1]; ++e) {
-      if (e + kPrefetchEntries < last_entry) {
-        prefetch_elements(contexts + entry_rows[e + kPrefetchEntries] * rank, rank);
+      if (e + entries_ahead < last_entry) {
+        prefetch_elements(contexts + entry_rows[e + entries_ahead] * rank, rank);
       }
       transition[entries[e]] = dot(contexts + entry_rows[e] * rank, b, rank);
     }
@@ -532,7 +566,7 @@ DFLASH2_AVX512_KERNEL void id_sums_avx512(const int64_t* starts, const int64_t* 
 // so it needs no separate zero fill.
 template <typename W, typename T>
 void id_sum_table(const IdSegments& segments, bool weighted, const T* terms, int64_t rank, at::Tensor& table) {
-  const int64_t vocab = static_cast<int64_t>(segments.starts.size()) - 1;
+  const int64_t vocab = segments.vocab;
   W* out = table.data_ptr<W>();
   const double* weights = weighted ? segments.weights.data() : nullptr;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, rank));

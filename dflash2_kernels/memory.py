@@ -1,9 +1,10 @@
 """The CPU result cache of the C++ ops (csrc/cpu_result_cache.h).
 
-CPU results of 1 MiB and up (the selector's dense ``[N, V]`` unary gradient and its
-``[V, r]`` codebook gradients, the conv's outputs) are placed in memory kept from
-earlier calls once their tensors are freed, instead of fresh pages that fault in on
-first write: a training step allocates the same results every step. ``DFLASH2_CPU_CACHE_MB`` (read on every
+CPU results and kernel temporaries of 64 KiB and up (the selector's dense ``[N, V]``
+unary gradient and its ``[V, r]`` codebook gradients, the conv's outputs, the selector
+backward's ``[N, r]`` buffers) are placed in memory kept from earlier calls once their
+tensors are freed, instead of fresh pages that fault in on first write: a training
+step allocates the same ones every step. ``DFLASH2_CPU_CACHE_MB`` (read on every
 call; default 1024, ``0`` keeps nothing) bounds what is kept. Like
 ``torch.cuda.empty_cache``, :func:`empty_cpu_cache` hands the kept memory back to the
 system; memory of live tensors is never kept or reused.

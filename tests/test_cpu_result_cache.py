@@ -1,13 +1,13 @@
 """The C++ ops' CPU result cache (csrc/cpu_result_cache.h, dflash2_kernels.memory).
 
-Results of 1 MiB and up take memory kept from freed results of the same mapped length
-(whole pages below 8 MiB, whole 2 MiB huge pages from there); what is kept stays
-within DFLASH2_CPU_CACHE_MB; memory of a live tensor (or of a view of one) is never
-kept; results written into reused memory are the same as into fresh memory; a request
-the system refuses unmaps what is kept and tries again. The sizes sit at the 1 MiB
-threshold, at the 8 MiB switch to huge-page lengths and, in the mmap build, at page
-and 2 MiB block edges. The suite's sanitized half runs the same tests on the ASan
-build, which keeps blocks at their exact size and poisons them while kept.
+Results and kernel temporaries of 64 KiB and up take memory kept from freed ones of the
+same mapped length (whole pages below 8 MiB, whole 2 MiB huge pages from there); what
+is kept stays within DFLASH2_CPU_CACHE_MB; memory of a live tensor (or of a view of
+one) is never kept; results written into reused memory are the same as into fresh
+memory; a request the system refuses unmaps what is kept and tries again. The sizes
+sit at the 64 KiB threshold, at the 8 MiB switch to huge-page lengths and, in the mmap
+build, at page and 2 MiB block edges. The suite's sanitized half runs the same tests on
+the ASan build, which keeps blocks at their exact size and poisons them while kept.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 # The sanitized half of the suite (scripts/asan.py) preloads ASan, whose build keeps
 # blocks at their exact size.
 SANITIZED = "asan" in os.environ.get("LD_PRELOAD", "")
-HIDDEN = 2048  # one fp32 row is 8 KiB: 128 rows are exactly 1 MiB, 1024 rows 8 MiB
+HIDDEN = 2048  # one fp32 row is 8 KiB: 8 rows are exactly 64 KiB, 1024 rows 8 MiB
 GROUP = 16
 TAPS = 2
 BLOCK = 8
@@ -69,7 +69,9 @@ def _whole(nbytes: int, unit: int) -> int:
 @pytest.mark.parametrize(
     "rows, hidden, mapped",
     [
-        pytest.param(127, HIDDEN, 0, id="under-1MiB-not-kept"),
+        pytest.param(7, HIDDEN, 0, id="under-64KiB-not-kept"),
+        pytest.param(8, HIDDEN, 64 << 10, id="64KiB"),
+        pytest.param(9, 2000, _whole(9 * 2000 * 4, PAGE), id="70KiB-not-whole-pages"),
         pytest.param(128, HIDDEN, MIB, id="1MiB"),
         pytest.param(300, 2000, _whole(300 * 2000 * 4, PAGE), id="2.3MiB-not-whole-pages"),
         pytest.param(1023, HIDDEN, 1023 * HIDDEN * 4, id="under-8MiB-whole-pages"),
@@ -207,6 +209,36 @@ def test_a_training_step_reuses_the_dense_unary_gradient():
     second_pointer, second_grad = step()
     assert second_pointer == first_pointer
     assert torch.equal(second_grad, first_grad)
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, rank, top_k",
+    [
+        pytest.param(512, 1024, 32, 8, id="temporaries-from-64KiB"),
+        pytest.param(2048, 4096, 64, 16, id="temporaries-of-MiBs"),
+    ],
+)
+def test_the_selector_backward_keeps_its_temporaries_for_the_next_call(rows, vocab, rank, top_k):
+    """Its [N, r] float64 and [N k] buffers (from 128 KiB here) are the previous call's."""
+    generator = torch.Generator().manual_seed(4)
+    projected = torch.randn(rows, rank, generator=generator)
+    codebooks = [torch.randn(vocab, rank, generator=generator) for _ in range(2)]
+    predecessors = torch.randint(0, vocab, (rows,), generator=generator)
+    candidates = torch.randint(0, vocab, (rows, top_k), generator=generator)
+    grad = torch.randn(rows, top_k, generator=generator)
+
+    def backward():
+        return torch.ops.dflash2.selector_scores_backward(
+            grad, projected, *codebooks, predecessors, candidates, True, top_k, torch.float32)
+
+    first = [g.clone() for g in backward()]  # the results' blocks are kept too, once freed
+    kept = dk.cpu_cache_bytes()
+    # At least P * g ([N, r] float64) and the contexts ([N, r] float32) were kept.
+    assert kept >= rows * rank * (8 + 4)
+    second = [g.clone() for g in backward()]
+    assert dk.cpu_cache_bytes() == kept, "a second call mapped its temporaries afresh"
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 REFUSED_REQUEST = """
