@@ -88,10 +88,19 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
 // at r = 64 and 128: the burst overran the core's miss buffers, and the row's own loads
 // queued behind it.) An entry of a sum over ids reads a single [N, r] row, so the same
 // lead in time is more entries than rows.
+//
+// The rows of many lines (B rows, the candidate-order contexts, the sums' term rows)
+// are requested into L2 (prefetcht1), not L1: at r = 256 fp32 a row is 16 lines, and 8
+// candidates ahead are 128 lines in flight, more than the L1 tracks; requests past that
+// wait or drop, and the loads they were for miss. Into L2 they queue where more fit,
+// and the loads find them a few cycles away. In turns with the bench's floor and
+// torch.compile in one process (docs/BENCHMARKS.md), r = 256: the candidate-order
+// forward 0.80 of the time with every request into L1, forward+backward 0.79; r = 64,
+// where a row is 4 lines: 0.97-1.00.
 constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t kPrefetchCandidates = 8;
 constexpr int64_t kPrefetchEntries = 16;
-constexpr int64_t kPrefetchIds = 2;
+constexpr int64_t kPrefetchIds = 4;
 constexpr int64_t kPrefetchEntryBytes = 4096;
 constexpr int64_t kCacheLine = 64;
 
@@ -101,11 +110,18 @@ inline int64_t entries_ahead_for(int64_t row_bytes) {
   return std::max<int64_t>(2, kPrefetchEntryBytes / std::max<int64_t>(row_bytes, 1));
 }
 
-template <typename T>
+// Requests the lines of count elements at first: into L1 (kLocality 3, prefetcht0) or
+// into L2 (kLocality 2, prefetcht1).
+template <int kLocality = 3, typename T>
 inline void prefetch_elements(const T* first, int64_t count) {
   const char* begin = reinterpret_cast<const char*>(first);
   const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
-  for (int64_t byte = 0; byte < bytes; byte += kCacheLine) __builtin_prefetch(begin + byte);
+  for (int64_t byte = 0; byte < bytes; byte += kCacheLine) __builtin_prefetch(begin + byte, 0, kLocality);
+}
+
+template <typename T>
+inline void prefetch_elements_to_l2(const T* first, int64_t count) {
+  prefetch_elements<2>(first, count);
 }
 
 struct Rows {
@@ -149,7 +165,7 @@ DFLASH2_INLINE void prefetch_row_inputs(const TypedRows<W, P>& rows_of, const Ro
 template <typename W, typename P>
 DFLASH2_INLINE void prefetch_candidate_row(const TypedRows<W, P>& rows_of, const Rows& rows, int64_t e,
                                            int64_t end_entry) {
-  if (e < end_entry) prefetch_elements(rows_of.b(rows.candidate_ids[e]), rows.shape.rank);
+  if (e < end_entry) prefetch_elements_to_l2(rows_of.b(rows.candidate_ids[e]), rows.shape.rank);
 }
 
 // count elements of T, left unset: for buffers a kernel writes whole before it reads
@@ -331,8 +347,9 @@ void transitions_in_row_order(const TypedRows<W, P>& rows_of, const Rows& rows, 
 // B is read in id order, but a 4 KB page holds 4 of its rows at r = 256 fp32 and the
 // hardware's stream prefetch stops at page ends: the B row of the id kPrefetchIds ahead
 // is requested too, where that id has entries (r = 256, in turns with the bench's
-// floor: 0.94-0.96 of the time without, and a lead of 4 KB of context rows, rather
-// than 16 rows whatever their width, 0.97 of the time of 16; docs/BENCHMARKS.md).
+// floor: 0.93-0.97 of the time without, two ids ahead into L1; 0.82-0.86 four ahead
+// into L2; and a lead of 4 KB of context rows, rather than 16 rows whatever their
+// width: 0.97 of the time of 16; docs/BENCHMARKS.md).
 template <typename Acc, typename W, typename Dot>
 DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, const W* b_table, int64_t b_stride,
                                            const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,
@@ -342,10 +359,12 @@ DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, 
   for (int64_t id = first_id; id < end_id; ++id) {
     const W* b = b_table + id * b_stride;
     const int64_t ahead = id + kPrefetchIds;
-    if (ahead < end_id && starts[ahead] != starts[ahead + 1]) prefetch_elements(b + kPrefetchIds * b_stride, rank);
+    if (ahead < end_id && starts[ahead] != starts[ahead + 1]) {
+      prefetch_elements_to_l2(b + kPrefetchIds * b_stride, rank);
+    }
     for (int64_t e = starts[id]; e < starts[id + 1]; ++e) {
       if (e + entries_ahead < last_entry) {
-        prefetch_elements(contexts + entry_rows[e + entries_ahead] * rank, rank);
+        prefetch_elements_to_l2(contexts + entry_rows[e + entries_ahead] * rank, rank);
       }
       transition[entries[e]] = dot(contexts + entry_rows[e] * rank, b, rank);
     }
@@ -474,7 +493,7 @@ DFLASH2_INLINE void id_sum_elements(const int64_t* term_rows, int64_t first, int
   std::fill(acc + first_rho, acc + rank, 0.0);
   for (int64_t e = first; e < stop; ++e) {
     if (prefetch && e + kPrefetchEntries < last_entry) {
-      prefetch_elements(terms + term_rows[e + kPrefetchEntries] * rank, rank);
+      prefetch_elements_to_l2(terms + term_rows[e + kPrefetchEntries] * rank, rank);
     }
     const T* term = terms + term_rows[e] * rank;
     if (weights == nullptr) {
@@ -528,7 +547,9 @@ DFLASH2_AVX512_KERNEL void id_sums_avx512(const int64_t* starts, const int64_t* 
       continue;
     }
     const auto prefetch_ahead = [&](int64_t e) {
-      if (e + kPrefetchEntries < last_entry) prefetch_elements(terms + term_rows[e + kPrefetchEntries] * rank, rank);
+      if (e + kPrefetchEntries < last_entry) {
+        prefetch_elements_to_l2(terms + term_rows[e + kPrefetchEntries] * rank, rank);
+      }
     };
     for (int64_t c0 = 0; c0 < chunked; c0 += kDoubleChunk) {
       DoubleChunk sums = zero_chunk();
