@@ -91,11 +91,12 @@ DFLASH2_AVX512_INLINE void store_rounded8(T* p, Doubles8 x) {
 }
 
 // Non-temporal stores, for tables written once and read much later (the gradients dA
-// and dB, [V, r]: 8 MB at V = 32,000, r = 64): a plain store to a line not in cache first reads the line
-// (read for ownership), doubling the traffic; these go to memory through the
-// write-combining buffers, which fill whole lines from consecutive stores. p: aligned
-// to the 8 elements' size (32 bytes of float, 16 of bfloat16). A kernel that uses them
-// ends with _mm_sfence(), so that the stores are seen before the threads join.
+// and dB, [V, r]: 8 MB at V = 32,000, r = 64): a plain store to a line not in cache
+// first reads the line (read for ownership), doubling the traffic; these go to memory
+// through the write-combining buffers, which fill whole lines from consecutive stores.
+// p: aligned to the 8 elements' size (32 bytes of float, 16 of bfloat16). A kernel that
+// uses them ends with _mm_sfence(), so that the stores are seen before the threads
+// join.
 DFLASH2_AVX512_INLINE void stream8(float* p, FloatLanes<8>::floats v) {
   _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
 }

@@ -769,8 +769,8 @@ void scores_backward(const Rows& rows, const at::Tensor& grad, bool unary_gather
 
   const IdSegments by_predecessor = segments_by_id(rows.predecessor_ids, shape.rows, shape.vocab);
   id_sum_table<W>(by_predecessor, /*weighted=*/false, projected_times_g.data(), rank, grad_predecessor);
-  const IdSegments by_candidate = segments_by_id(rows.candidate_ids, entries, shape.vocab, shape.top_k, /*with_entries=*/false,
-                                                   ds.data());
+  const IdSegments by_candidate =
+      segments_by_id(rows.candidate_ids, entries, shape.vocab, shape.top_k, /*with_entries=*/false, ds.data());
   id_sum_table<W>(by_candidate, /*weighted=*/true, contexts.data(), rank, grad_successor);
 }
 

@@ -219,7 +219,8 @@ def test_a_training_step_reuses_the_dense_unary_gradient():
     ],
 )
 def test_the_selector_backward_keeps_its_temporaries_for_the_next_call(rows, vocab, rank, top_k):
-    """Its [N, r] float64 and [N k] buffers (from 128 KiB here) are the previous call's."""
+    """Its [N, r] buffers (P * g in float64, the contexts in float32: 128 and 64 KiB in
+    the smaller case) are the previous call's blocks."""
     generator = torch.Generator().manual_seed(4)
     projected = torch.randn(rows, rank, generator=generator)
     codebooks = [torch.randn(vocab, rank, generator=generator) for _ in range(2)]
