@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # then recompiles only what the edit affects).
 EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env bench bench-selector test test-asan fuzz cuda-check clean
+.PHONY: env bench bench-selector test test-asan check-cpu fuzz cuda-check clean
 
 env: $(VENV)/.built
 
@@ -31,10 +31,18 @@ bench-selector: env
 	$(PY) benchmarks/bench_selector.py --out bench_results/selector.jsonl
 
 # The suite against the installed build, then again against the sanitized build, which
-# adds the CUDA kernels run on the CPU's SIMT emulator (scripts/asan.py).
+# adds the CUDA kernels run on the CPU's SIMT emulator (scripts/asan.py), then the
+# numerics and fuzz tests under the CPU dispatch paths other machines take
+# (scripts/host_variants.py --quick: the ones this CPU can reach, a few cases each).
 test: env
 	$(PY) -m pytest
 	$(PY) scripts/asan.py test
+	$(PY) scripts/host_variants.py --quick
+
+# A user's check of their own CPU: the numerics and fuzz tests as this machine runs
+# them, then under the other dispatch paths it can take.
+check-cpu: env
+	$(PY) scripts/host_variants.py --as-is --quick
 
 test-asan: env
 	$(PY) scripts/asan.py test

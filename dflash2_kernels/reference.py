@@ -308,6 +308,8 @@ def serving_edge_scores(
     predecessor_codebook: torch.Tensor,
     successor_codebook: torch.Tensor,
     top_k: int,
+    *,
+    transition_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """E[b, t, i, j] = U[b, t, j] + T(prev_i, cand[b, t, j]) for every adjacent pair.
 
@@ -317,15 +319,17 @@ def serving_edge_scores(
     i of E[b, 0] holds the anchor's scores. NeMo's arithmetic: T in
     promote_types(codebooks, projected), added to U in the score dtype (so all-float64
     inputs are computed in float64). An anchor outside [0, V) gives its sequence NaN
-    edges at t = 0 (the CUDA kernels' rule).
+    edges at t = 0 (the CUDA kernels' rule). transition_dtype: T's dtype instead of
+    NeMo's (float64: the edges come out in float64, for the caller to round once).
     """
     unary, candidate_ids = candidate_topk(logits, top_k)
     batch, draft = candidate_ids.shape[:2]
     anchors, valid = _in_vocabulary(anchor_ids, predecessor_codebook.shape[0])
     anchors = anchors.reshape(batch, 1, 1).expand(batch, 1, top_k)
     predecessors = torch.cat([anchors, candidate_ids[:, :-1]], dim=1)  # [B, D, k]
-    gate = predecessor_codebook[predecessors] * projected.unsqueeze(-2)  # [B, D, k, r]
-    successors = successor_codebook[candidate_ids].to(gate.dtype)  # [B, D, k, r]; einsum wants one dtype
+    dtype = transition_dtype or torch.promote_types(predecessor_codebook.dtype, projected.dtype)
+    gate = predecessor_codebook[predecessors].to(dtype) * projected.to(dtype).unsqueeze(-2)  # [B, D, k, r]
+    successors = successor_codebook[candidate_ids].to(dtype)  # [B, D, k, r]; einsum wants one dtype
     transition = torch.einsum("btir,btjr->btij", gate, successors)
     edges = unary.unsqueeze(-2) + transition
     edges[:, 0] = torch.where(valid.reshape(batch, 1, 1), edges[:, 0], float("nan"))
@@ -356,6 +360,8 @@ def serving_walk(
     top_k: int,
     temperature: float,
     uniforms: torch.Tensor | None = None,
+    *,
+    transition_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """NeMo's walk over the edge scores, with sampling driven by uniforms [B, D].
 
@@ -364,10 +370,11 @@ def serving_walk(
     maximum, as torch.argmax does); sampled steps draw from q = softmax(E_row.float() / T)
     with :func:`inverse_cdf_draw` (the greedy choice when the scores are NaN). A
     sequence whose anchor is outside [0, V) walks its NaN first edges and gets path -1
-    (the CUDA kernels' rule).
+    (the CUDA kernels' rule). transition_dtype: as :func:`serving_edge_scores`.
     """
     edges, candidate_ids = serving_edge_scores(
-        projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k
+        projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k,
+        transition_dtype=transition_dtype,
     )
     edges = edges.to(serving_score_dtype(logits, projected, predecessor_codebook))
     batch, draft = candidate_ids.shape[:2]

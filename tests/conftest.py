@@ -18,9 +18,12 @@ if not torch.cuda.is_available():
 # before their kernels run: an element a kernel leaves unwritten fails the checks.
 os.environ.setdefault("DFLASH2_POISON_OUTPUTS", "1")
 
+from . import host_blas  # noqa: E402
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "compiles: runs torch.compile (no stand-in BLAS there: tests/host_blas.py)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,6 +38,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _default_backend(monkeypatch):
     monkeypatch.delenv("DFLASH2_BACKEND", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _host_blas(request):
+    """DFLASH2_TEST_BLAS: every CPU matrix product in a stand-in BLAS's order
+    (tests/host_blas.py), except in tests marked ``compiles``: torch.compile refuses
+    the Python dispatch mode that reroutes them."""
+    if request.node.get_closest_marker("compiles"):
+        yield
+        return
+    with host_blas.emulated():
+        yield
 
 
 @pytest.fixture

@@ -71,6 +71,7 @@ def test_runs_on_the_current_stream():
         assert torch.equal(a, b)
 
 
+@pytest.mark.compiles
 def test_fullgraph_compile_on_cuda():
     torch._dynamo.reset()
     module = dk.GroupedDynamicCausalConv(256, block_size=8, kernel_size=2, group_size=16).cuda()

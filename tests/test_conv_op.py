@@ -72,6 +72,7 @@ class _ConvBlock(torch.nn.Module):
         return h + self.conv.finish(torch.nn.functional.gelu(self.mlp(prepared)), kernels)
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
 def test_fullgraph_compile_forward_and_backward(compile_backend):
     torch._dynamo.reset()

@@ -13,6 +13,7 @@ Environment (pytest reads options only from the root conftest, so these are vari
 - ``DFLASH2_FUZZ_SEED``: the seed (default 0, so CI sees the same cases every run)
 - ``DFLASH2_FUZZ_JOBS``: child processes at a time (default: the CPU count)
 - ``DFLASH2_FUZZ_CASE_TIMEOUT``: seconds one case may run before it counts as a hang (120)
+- ``DFLASH2_TEST_BLAS``: a stand-in BLAS rounding order for every case (tests/host_blas.py)
 """
 
 from __future__ import annotations

@@ -201,6 +201,7 @@ COMPILER = "inductor" if DEVICE.type == "cuda" else "aot_eager"
 WHOLE_STEP = hasattr(torch._dynamo.config, "trace_autograd_ops")
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("flavour", ["speculators", "nemo"])
 def test_compiled_training_step_is_one_graph_and_equals_eager(flavour):
     torch._dynamo.reset()

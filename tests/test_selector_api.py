@@ -192,6 +192,7 @@ def test_registered_for_cpu_and_for_cuda_when_built_with_cuda():
         assert has_kernel("selector_scores", "cuda") and has_kernel("selector_scores_backward", "cuda")
 
 
+@pytest.mark.compiles
 @needs_extension
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
 def test_fullgraph_compile(compile_backend):

@@ -85,6 +85,7 @@ def test_runs_on_the_current_stream():
         assert torch.equal(x, y)
 
 
+@pytest.mark.compiles
 def test_fullgraph_compile_on_cuda():
     torch._dynamo.reset()
     module = dk.CandidateSelector(vocab_size=1000, hidden_size=128, rank=64, top_k=8).cuda()

@@ -132,15 +132,20 @@ def test_sampled_walk_proposal_is_softmax_along_its_path(case, temperature, devi
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", FP32_CASES[:3], ids=lambda c: c.id)
 def test_sampled_walk_through_the_public_api_equals_the_reference(case, device):
-    """Same generator state -> same uniforms -> the reference draws the same path."""
+    """Same generator state -> same uniforms -> the reference draws the same path, and
+    its proposal q along it within SPEC section 4 of softmax(exact edges / T)."""
     require_kernel("select_path", device)
     inputs = block_inputs(case, device, seed=5, scale=2.0)
     generator = torch.Generator(device).manual_seed(11)
     path, candidates, draft_probs = dk.walk(*inputs, case.top_k, 0.7, generator=generator)
     uniforms = torch.rand(case.batch, case.draft, generator=torch.Generator(device).manual_seed(11), device=device)
     expected_path, _, expected_probs = reference.serving_walk(*inputs, case.top_k, 0.7, uniforms)
-    torch.testing.assert_close(draft_probs, expected_probs, rtol=1e-5, atol=1e-6)
     assert torch.equal(path, expected_path)
+    exact_edges, _ = reference.serving_edge_scores(*as_float64(*inputs), case.top_k)
+    choices = (candidates == path.unsqueeze(-1)).int().argmax(-1)  # [B, D]: where each step went
+    rows = torch.cat([torch.zeros_like(choices[:, :1]), choices[:, :-1]], dim=1)  # the row each step read
+    exact_rows = exact_edges.gather(2, rows[..., None, None].expand(-1, -1, 1, case.top_k)).squeeze(2)
+    assert_within_contract(case.id, draft_probs.cpu(), expected_probs.cpu(), (exact_rows / 0.7).softmax(-1).cpu())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -354,6 +359,7 @@ def test_opcheck_serving_ops():
     torch.library.opcheck(torch.ops.dflash2.rejection_sample.default, verify_inputs(VERIFY_CASES[1], "cpu"))
 
 
+@pytest.mark.compiles
 def test_walk_and_verify_compile_fullgraph():
     require_kernel("select_path", "cpu")
     require_kernel("rejection_sample", "cpu")
@@ -446,7 +452,8 @@ def test_wide_greedy_walk_equals_the_reference_walk(case, device):
 @pytest.mark.parametrize("case", WIDE_BLOCK_CASES, ids=lambda c: c.id)
 def test_wide_sampled_walk_proposal_is_softmax_along_its_path(case, temperature, device):
     """q = softmax(edge row / T) along the path, each draw at its uniform, and the
-    reference's draws from the same generator state."""
+    reference's draws from the same generator state (over the fallback's float64
+    transitions: the same bits on every host)."""
     inputs = block_inputs(case, device, seed=3, scale=2.0)
     path, candidates, draft_probs = dk.walk(*inputs, case.top_k, temperature,
                                             generator=torch.Generator(device).manual_seed(21))
@@ -454,7 +461,8 @@ def test_wide_sampled_walk_proposal_is_softmax_along_its_path(case, temperature,
     edges, _ = dk.edge_scores(*inputs, case.top_k)
     assert draft_probs.dtype == torch.float32 and draft_probs.shape == (case.batch, case.draft, case.top_k)
     assert_sampled_walk_follows_its_edges(path, candidates, draft_probs, edges, uniforms, temperature)
-    expected_path, _, expected_probs = reference.serving_walk(*inputs, case.top_k, temperature, uniforms)
+    expected_path, _, expected_probs = reference.serving_walk(*inputs, case.top_k, temperature, uniforms,
+                                                              transition_dtype=torch.float64)
     assert torch.equal(path, expected_path)
     torch.testing.assert_close(draft_probs, expected_probs, rtol=0, atol=0)
 
@@ -674,6 +682,7 @@ def test_greedy_verify_in_float64(device):
     assert dk.greedy_verify(torch.tensor([[0]], device=device), ties)[1].tolist() == [0]
 
 
+@pytest.mark.compiles
 def test_wide_walk_and_verify_compile_fullgraph():
     projected, logits, anchors, a, b = block_inputs(BlockCase(2, 4, 500, 16, 48), "cpu")
 

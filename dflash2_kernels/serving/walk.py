@@ -9,7 +9,8 @@ graph. The kernels take k <= 32 (one warp lane per candidate) and float16, bfloa
 float32; every other k in [1, V], any float64 input, a build without the compiled
 extension and DFLASH2_BACKEND=reference run the PyTorch reference
 (``dflash2_kernels.reference``) instead, with the same semantics: the same uniforms
-drawn the same way, greedy ties as torch.argmax, the same output dtypes and shapes.
+drawn the same way, greedy ties as torch.argmax, the same output dtypes and shapes
+(its transition sums in float64, rounded once: FALLBACK_TRANSITION_DTYPE).
 On CUDA that path is sync-free too (an out-of-range anchor gets the kernels' NaN/-1
 rule there); on CPU it raises IndexError for one, as the kernels do.
 """
@@ -37,6 +38,12 @@ __all__ = ["candidate_topk", "edge_scores", "walk"]
 
 # The largest k the kernels take (one warp lane per candidate); a larger k runs the reference.
 MAX_TOP_K = 32
+# Where the reference runs, its transition sums run in float64 and the edges round once:
+# a float32 einsum rounds as the host BLAS sums, which differs between machines and, at
+# other operand addresses, between calls (MKL without conditional reproducibility), so
+# the walk over them could too. In float64 every host and every call gets the same
+# edges (and closer to exact than a float32 sum).
+FALLBACK_TRANSITION_DTYPE = torch.float64
 
 
 if EXTENSION_LOADED:
@@ -172,8 +179,8 @@ def edge_scores(
     for t > 0 and the anchor for t = 0 (so every row i of edges[b, 0] is the anchor's).
     Edges are in ``promote_types(logits, promote_types(codebooks, projected))``: on the
     kernels (k <= 32, no float64) computed in fp32 and rounded once; otherwise by the
-    reference, in NeMo's arithmetic (T in promote_types(codebooks, projected), added to
-    U in the edges' dtype: float64 inputs are computed in float64). An anchor id outside
+    reference, in NeMo's order (T, then T added to U) with T summed in float64 and the
+    edges rounded once, so that no host BLAS's rounding reaches them. An anchor id outside
     [0, V) raises IndexError on CPU; on CUDA (no host sync) its sequence's edges at t = 0
     come out NaN.
     """
@@ -181,7 +188,8 @@ def edge_scores(
     if not _on_kernels(projected, logits, predecessor_codebook, top_k):
         require_ids_in_range("anchor_ids", anchor_ids, predecessor_codebook.shape[0])
         edges, candidate_ids = reference.serving_edge_scores(
-            projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k)
+            projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k,
+            transition_dtype=FALLBACK_TRANSITION_DTYPE)
         return edges.to(reference.serving_score_dtype(logits, projected, predecessor_codebook)), candidate_ids
     no_draws = logits.new_empty(0, dtype=torch.float32)
     _, candidate_ids, _, edges = _select_path(projected, logits, anchor_ids, predecessor_codebook,
@@ -223,7 +231,8 @@ def walk(
     if not _on_kernels(projected, logits, predecessor_codebook, top_k):
         require_ids_in_range("anchor_ids", anchor_ids, predecessor_codebook.shape[0])
         return reference.serving_walk(projected, logits, anchor_ids, predecessor_codebook, successor_codebook,
-                                      top_k, temperature, draws if temperature > 0 else None)
+                                      top_k, temperature, draws if temperature > 0 else None,
+                                      transition_dtype=FALLBACK_TRANSITION_DTYPE)
     path, candidate_ids, draft_probs, _ = _select_path(
         projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k, temperature, draws)
     return path, candidate_ids, draft_probs if temperature > 0 else None

@@ -115,7 +115,7 @@ def judge_outcome(case: Case, *, show_traceback: bool = False) -> str | None:
     if isinstance(case.expect, Raises):
         return f"no error: returned {describe(result)} (expected an error naming {' or '.join(case.expect.names)})"
     try:
-        with _one_thread():
+        with threads(1):
             case.expect.judge(result)
     except AssertionError as error:
         if show_traceback:
@@ -129,16 +129,17 @@ def judge_outcome(case: Case, *, show_traceback: bool = False) -> str | None:
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """The references run single-threaded: torch's parallel CPU reductions (index_put_ with
-    accumulate, the gradient of a gather) add in a varying order, and a verdict near the
-    bar must not flip from run to run. The kernels under test keep every thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def threads(count: int):
+    """torch's intra-op threads set to ``count`` inside. Judges run with one: torch's
+    parallel CPU reductions (index_put_ with accumulate, the gradient of a gather) add in
+    a varying order, and a verdict near the bar must not flip from run to run. The
+    kernels under test keep every thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _judge_exception(case: Case, error: BaseException) -> str | None:

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from .. import host_blas  # noqa: E402
 from .case import judge_outcome  # noqa: E402
 from .targets import TARGETS, draw_case, known  # noqa: E402
 
@@ -67,7 +68,8 @@ def run_range(target: str, seed: int, start: int, count: int, *, show_traceback:
         else:
             kind, description = case.kind, case.describe()
             _emit(f"CASE {target} {index} {description}")
-            verdict = judge_outcome(case, show_traceback=show_traceback)
+            with host_blas.emulated():  # DFLASH2_TEST_BLAS: a stand-in BLAS, alternation per case
+                verdict = judge_outcome(case, show_traceback=show_traceback)
         faulthandler.cancel_dump_traceback_later()
         if verdict is not None:
             failed += 1

@@ -16,6 +16,7 @@ import torch
 import dflash2_kernels as dk
 from dflash2_kernels import reference
 
+from ..host_blas import pinned_outputs
 from .case import Agrees, Call, Case
 from .draw import FLOATS, Draw
 from .judges import assert_all_contract, assert_contract, assert_equal, compute_dtype, float64, with_grads
@@ -242,9 +243,7 @@ def module_case(draw: Draw) -> Case:
         return module
 
     def call_method(vocab_size, hidden_size, rank, top_k, **arguments):
-        if "select_top_k" in arguments:
-            arguments["top_k"] = arguments.pop("select_top_k")
-        return getattr(build(vocab_size, hidden_size, rank, top_k), method)(**arguments)
+        return _call_method(build(vocab_size, hidden_size, rank, top_k), method, arguments)
 
     call = Call(call_method, {**sizes, **arguments}, keywords=tuple(arguments))
     if draw.chance(BAD_FRACTION):
@@ -253,12 +252,21 @@ def module_case(draw: Draw) -> Case:
     def run():
         # The module's own P = W h too: the judge scores from it, so that the projection's
         # rounding (nn.Linear's business, not the kernels') is not held against the result.
-        with torch.no_grad():
-            projected = build(**sizes).hidden_projection(hidden)
-        return call(), projected
+        module = build(**sizes)
+        with pinned_outputs(module.hidden_projection) as projections:
+            result = _call_method(module, method, arguments)
+        assert len(projections) == 1, f"{method} projected {len(projections)} inputs, not one"
+        return result, projections[0].detach()
 
     judge = _module_judge(method, arguments, params, top_k if select_top_k is None else select_top_k)
     return Case(f"valid {method}", run, Agrees(judge), {**call.args, "dtype": dtype})
+
+
+def _call_method(module, method: str, arguments: dict):
+    if "select_top_k" in arguments:  # select's own top_k, keyed apart from the constructor's
+        arguments = {**arguments, "top_k": arguments["select_top_k"]}
+        del arguments["select_top_k"]
+    return getattr(module, method)(**arguments)
 
 
 def _method_arguments(method, hidden, unary, predecessor_ids, candidate_ids, select_top_k) -> dict:

@@ -23,6 +23,7 @@ import torch
 import dflash2_kernels as dk
 from dflash2_kernels import reference
 
+from ..host_blas import pinned_outputs
 from ..serving_cases import assert_sampled_walk_follows_its_edges, distinct_top_logits, walk_over_edges
 from .case import Agrees, Call, Case
 from .draw import FLOATS, Draw
@@ -417,10 +418,12 @@ def selector_serving_case(draw: Draw) -> Case:
             if method == "walk":
                 fresh["generator"] = torch.Generator().manual_seed(generator_seed)
             # The walk's edges: the module's own, so its greedy path can be replayed over them;
-            # its P = W h: the judge scores from it (the projection's rounding is nn.Linear's).
-            return (getattr(module, method)(**fresh),
-                    module.edge_scores(hidden, tensors["logits"], tensors["anchor_ids"]),
-                    module.hidden_projection(hidden))
+            # its P = W h, one for both calls: the judge scores from it (the projection's
+            # rounding is nn.Linear's, and a second call of it need not round alike).
+            with pinned_outputs(module.hidden_projection) as projections:
+                return (getattr(module, method)(**fresh),
+                        module.edge_scores(hidden, tensors["logits"], tensors["anchor_ids"]),
+                        projections[0])
 
     def judge(result) -> None:
         got, (edges, candidate_ids), projected = result
