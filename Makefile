@@ -16,7 +16,7 @@ env: $(VENV)/.built
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" pytest numpy ninja
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" pytest numpy ninja "matplotlib>=3.5"
 	$(PY) -m pip install --quiet --no-deps -r requirements/upstream.txt
 	touch $@
 
@@ -54,6 +54,15 @@ FUZZ_SEED ?= 0
 fuzz: env
 	DFLASH2_FUZZ_CASES=$(FUZZ_CASES) DFLASH2_FUZZ_SEED=$(FUZZ_SEED) \
 	  $(if $(FUZZ_ASAN),$(PY) scripts/asan.py test tests/test_fuzz.py,$(PY) -m pytest tests/test_fuzz.py)
+
+# The plots and tables of docs/BENCHMARKS.md (and the README's headline table) from the
+# committed records (docs/results/records.jsonl) and any new ones in bench_results/: the
+# newest run of each op wins, and docs/results/records.jsonl is rewritten to hold it.
+# matplotlib is the optional `bench` extra (pyproject.toml), installed here if missing.
+.PHONY: plots
+plots: $(VENV)/.ready
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet "matplotlib>=3.5"
+	$(PY) benchmarks/plot.py docs/results/records.jsonl $(wildcard bench_results/*.jsonl) --save docs/results/records.jsonl
 
 # The torch-free CUDA kernels alone, for sm_90: needs cmake and nvcc, not torch or a GPU.
 cuda-check:

@@ -10,7 +10,7 @@
 // they did). On this project's VMs, writing 500 MB took 17-20 ms into memory already
 // mapped against 60 ms into fresh 2 MB pages, 236-364 ms into fresh 4 KB pages, and up
 // to 1.2 s into fresh 2 MB pages right after other large allocations were freed (likely
-// memory the VM had handed back to its host; docs/BENCHMARKS.md). Blocks are mapped
+// memory the VM had handed back to its host; docs/BENCHMARKS.md at 743a4f8). Blocks are mapped
 // with huge pages requested (madvise; where THP is off or "always" that changes
 // nothing).
 //

@@ -94,7 +94,7 @@ void dispatch_types(at::ScalarType codebook, at::ScalarType projected, F&& f) {
 // candidates ahead are 128 lines in flight, more than the L1 tracks; requests past that
 // wait or drop, and the loads they were for miss. Into L2 they queue where more fit,
 // and the loads find them a few cycles away. In turns with the bench's floor and
-// torch.compile in one process (docs/BENCHMARKS.md), r = 256: the candidate-order
+// torch.compile in one process (docs/BENCHMARKS.md at 743a4f8), r = 256: the candidate-order
 // forward 0.80 of the time with every request into L1, forward+backward 0.79; r = 64,
 // where a row is 4 lines: 0.97-1.00.
 constexpr int64_t kPrefetchRows = 2;
@@ -276,7 +276,7 @@ inline void context_of_row(const TypedRows<W, P>& rows_of, const Rows& rows, int
 // else), each of the N k candidate rows read in row order is a DRAM miss; when they
 // are at least twice the rows of B, reading each B row in use once, in id order (a
 // forward stream), and the N x r contexts at random moves less from DRAM (r = 256 fp32,
-// B 32 MB: ahead of the row order in most readings here, docs/BENCHMARKS.md). A B
+// B 32 MB: ahead of the row order in most readings here, docs/BENCHMARKS.md at 743a4f8). A B
 // that stays in cache is read fastest in row order, without the counting sort (r = 64,
 // B 8 MB: the sort cost 1.6x).
 // DFLASH2_SELECTOR_ORDER=row or =candidate forces one order (the tests run both on
@@ -349,7 +349,7 @@ void transitions_in_row_order(const TypedRows<W, P>& rows_of, const Rows& rows, 
 // is requested too, where that id has entries (r = 256, in turns with the bench's
 // floor: 0.93-0.97 of the time without, two ids ahead into L1; 0.82-0.86 four ahead
 // into L2; and a lead of 4 KB of context rows, rather than 16 rows whatever their
-// width: 0.97 of the time of 16; docs/BENCHMARKS.md).
+// width: 0.97 of the time of 16; docs/BENCHMARKS.md at 743a4f8).
 template <typename Acc, typename W, typename Dot>
 DFLASH2_INLINE void dots_by_candidate_with(const Dot& dot, const Acc* contexts, const W* b_table, int64_t b_stride,
                                            const int64_t* starts, const int64_t* entries, const int64_t* entry_rows,

@@ -1,6 +1,7 @@
 // The selector forward's gather in isolation, to choose its software prefetch:
 // out[n k + j] = dot(context[n], B[cand[n, j]]) over N = 4096 rows, k = 16 uniformly
-// random candidates in a [32000, r] float table, 2 OpenMP threads, AVX-512. Schemes,
+// random candidates in a [32000, r] float table, 2 OpenMP threads, AVX-512 (AVX2 or scalar
+// where the CPU lacks it; r a multiple of 16). Schemes,
 // timed in turns (one call each per round, 150 rounds, after 10 warm-up calls each):
 //   none        no software prefetch
 //   row:R       the next row's k candidate rows requested at once, R rows ahead (the
@@ -30,10 +31,26 @@
 namespace {
 constexpr int kRows = 4096, kVocab = 32000, kTopK = 16;
 
+// The selector's kernel dots with AVX-512 where the CPU has it, AVX2 elsewhere (an AMD
+// Zen 3 has no AVX-512): clones picked when the program loads.
 __attribute__((target("avx512f"))) float dot(const float* x, const float* y, int rank) {
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < rank; i += 16) sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
   return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx2"))) float dot(const float* x, const float* y, int rank) {
+  __m256 sum = _mm256_setzero_ps();
+  for (int i = 0; i < rank; i += 8) sum = _mm256_add_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+__attribute__((target("default"))) float dot(const float* x, const float* y, int rank) {
+  float sum = 0.0f;
+  for (int i = 0; i < rank; ++i) sum += x[i] * y[i];
+  return sum;
 }
 
 void prefetch_row(const float* row, int rank) {
