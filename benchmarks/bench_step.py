@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import os
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -70,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dflash2_kernels as dk  # noqa: E402
 
-from common import Row, Timing, peak_extra_bytes, start_run, time_side_by_side, write_records  # noqa: E402
+from common import Row, Timing, settled_peak_bytes, start_run, time_side_by_side, write_records  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -137,20 +136,6 @@ def steady_heap() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
-
-
-def peak_bytes(fn, device: torch.device) -> int | None:
-    """common.peak_extra_bytes of one more call of ``fn`` (after one unmeasured call:
-    a step run after a patch or unpatch may compile again first), with freed heap
-    memory handed back to the OS first on CPU."""
-    fn()
-    gc.collect()
-    if device.type == "cpu":
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-    return peak_extra_bytes(fn, device)
 
 
 # --- training: speculators ---------------------------------------------------------------
@@ -395,7 +380,7 @@ def main() -> None:
         steady_heap()
     for side in sides:
         side.restore()
-        side.peak = peak_bytes(side.fn, device)
+        side.peak = settled_peak_bytes(side.fn, device)
 
     rows = [Row("step", side.case, side.impl, side.timing, 0, run.copy_gbps,
                 {"peak_extra_mib": None if side.peak is None else side.peak / 2**20, "size": asdict(size)})

@@ -10,6 +10,8 @@ copy bandwidth, measured in the same run: bytes read + written by a large
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -132,6 +134,20 @@ def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int = 20, reps
         end.synchronize()
         samples.append(start.elapsed_time(end) / calls_per_graph)
     return _summary(samples)
+
+
+def settled_peak_bytes(fn, device: torch.device) -> int | None:
+    """peak_extra_bytes of one more call of ``fn``, after one unmeasured call (first calls
+    compile, or allocate what later calls reuse) and, on the CPU, with freed heap memory
+    handed back to the OS first."""
+    fn()
+    gc.collect()
+    if device.type == "cpu":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    return peak_extra_bytes(fn, device)
 
 
 def peak_extra_bytes(fn, device: torch.device) -> int | None:

@@ -48,5 +48,21 @@ constexpr const char* kRejectionSample =
     "rejection_sample(Tensor draft_tokens, Tensor target_probs, Tensor draft_probs, Tensor candidate_ids, "
     "Tensor uniforms) -> (Tensor, Tensor)";
 
+// The draft head's row kernel (SPEC section 7) over one chunk of rows, CPU tensors
+// (csrc/head_cpu.cpp says what each pass does). logits [R, V] (float32 or float64: raw
+// h W^T in, the transformed logits out), target_logits [R, V] likewise, labels [R] int64
+// (-100: an ignored row), loss_mask: bit l asks for loss l of (kl_div, rkl, jsd, tv, ce),
+// softcap 0: none. loss_grads [L, R, V]: dL/ds per requested loss, written when given.
+// -> (losses [L, R], stats [R, 3] (draft_lse, target_lse, overlap), argmax [R, 2] int64,
+//     topk_ids [R, k] int64, topk_values [R, k], target_at_topk [R, k], label_values [R]).
+constexpr const char* kDraftHeadRowsCpu =
+    "draft_head_rows_cpu(Tensor(a!) logits, Tensor(b!)? target_logits, Tensor? labels, int loss_mask, "
+    "int top_k, float logit_scale, float softcap, ScalarType logits_dtype, Tensor(c!)? loss_grads) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+// The backward's recompute: logits becomes sum_l grad_losses[l] dL_l/ds, grad_losses [L, R].
+constexpr const char* kDraftHeadRowsBackwardCpu =
+    "draft_head_rows_backward_cpu(Tensor(a!) logits, Tensor(b!)? target_logits, Tensor? labels, int loss_mask, "
+    "float logit_scale, float softcap, ScalarType logits_dtype, Tensor grad_losses) -> ()";
+
 }  // namespace schemas
 }  // namespace dflash2

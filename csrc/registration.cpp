@@ -38,7 +38,8 @@ PyMODINIT_FUNC PyInit__C(void) {
 TORCH_LIBRARY(dflash2, m) {
   using namespace dflash2::schemas;
   for (const char* schema : {kConvForwardCpu, kConvBackwardCpu, kSelectorScores, kSelectorScoresBackward,
-                             kCandidateTopk, kSelectPath, kRejectionSample}) {
+                             kCandidateTopk, kSelectPath, kRejectionSample, kDraftHeadRowsCpu,
+                             kDraftHeadRowsBackwardCpu}) {
     m.def(schema);
   }
 }

@@ -5,7 +5,8 @@ Public API: :func:`grouped_dynamic_conv` (speculators' signature) and
 candidate selector's :class:`CandidateSelector` and its functional forms
 :func:`score_candidates`, :func:`transition_scores` and :func:`pair_scores`; the
 serving path's :func:`candidate_topk`, :func:`edge_scores`, :func:`walk` (also
-``CandidateSelector.walk``), :func:`rejection_sample` and :func:`greedy_verify`.
+``CandidateSelector.walk``), :func:`rejection_sample` and :func:`greedy_verify`; the
+fused draft head :func:`draft_head` (losses and top-k candidates without [N, V] logits).
 
 Patching upstream: :func:`patch` / :func:`unpatch` swap ours into one speculators or
 NeMo draft model in place (sharing its Parameters); :func:`patch_speculators`,
@@ -18,6 +19,7 @@ C++ ops keep of their freed large CPU results for reuse (``DFLASH2_CPU_CACHE_MB`
 from . import _extension  # registers the compiled ops before anything uses them
 from . import compat, reference
 from .conv import grouped_dynamic_conv
+from .head import DraftHeadOutput, draft_head
 from .memory import cpu_cache_bytes, empty_cpu_cache
 from .modules import CandidateSelector, GroupedDynamicCausalConv
 from .compat.patch import patch, patch_nemo, patch_speculators, unpatch, unpatch_nemo, unpatch_speculators
@@ -28,11 +30,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CandidateSelector",
+    "DraftHeadOutput",
     "GroupedDynamicCausalConv",
     "__version__",
     "candidate_topk",
     "compat",
     "cpu_cache_bytes",
+    "draft_head",
     "edge_scores",
     "empty_cpu_cache",
     "greedy_verify",

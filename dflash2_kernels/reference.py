@@ -8,6 +8,7 @@ included, so that "the reference run in the input dtype" in the numerical contra
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,9 @@ __all__ = [
     "rejection_sample",
     "serving_edge_scores",
     "serving_walk",
+    "DraftHeadOutput",
+    "draft_head",
+    "draft_head_logits",
 ]
 
 
@@ -448,3 +452,150 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     draft = draft_tokens.shape[1]
     accepted = (draft_tokens.long() == target[:, :draft]).long().cumprod(-1).sum(-1)
     return accepted, target.gather(1, accepted.unsqueeze(1)).squeeze(1)
+
+
+# --- the draft head (SPEC section 7) ------------------------------------------------------
+
+DRAFT_HEAD_LOSSES = ("kl_div", "rkl", "jsd", "tv", "ce")
+SOFT_LOSSES = ("kl_div", "rkl", "jsd", "tv")
+IGNORE_INDEX = -100
+
+
+class DraftHeadOutput(NamedTuple):
+    """What :func:`dflash2_kernels.draft_head` returns (SPEC section 7); every tensor over
+    the leading dims [...] of ``hidden`` (K = top_k). The target-side fields are None
+    without ``target_hidden``."""
+
+    losses: dict  # name -> [...] float32, 0 on ignored rows (label -100)
+    topk_ids: torch.Tensor  # [..., K] int64, logit descending, ties: lower id first
+    topk_logits: torch.Tensor  # [..., K] logits_dtype
+    label_ids: torch.Tensor | None  # [...] int64: labels (-100 kept), else the target argmax
+    label_logit: torch.Tensor | None  # [...] logits_dtype, the logit at label 0 on ignored rows
+    label_in_topk: torch.Tensor | None  # [...] bool, False on ignored rows
+    draft_lse: torch.Tensor  # [...] float32
+    target_lse: torch.Tensor | None  # [...] float32
+    draft_argmax: torch.Tensor  # [...] int64
+    target_argmax: torch.Tensor | None  # [...] int64
+    target_logits_at_topk: torch.Tensor | None  # [..., K] float32
+    overlap: torch.Tensor | None  # [...] float32, sum_v min(p_v, q_v) = 1 - tv
+
+
+def draft_head_logits(hidden: torch.Tensor, weight: torch.Tensor, logit_scale: float = 1.0,
+                      softcap: float | None = None) -> torch.Tensor:
+    """z = softcap * tanh(logit_scale * h W^T / softcap) (no tanh without softcap): hidden
+    [..., H] taken in weight's dtype (as autocast hands a bf16 lm_head its input), W
+    [V, H] -> [..., V] in weight's dtype, the scale and softcap applied there too (NeMo's
+    compute_logits)."""
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def _where_zero(weight: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """weight * term with 0 where the weight is exactly 0 (0 log 0 = 0; NaN still propagates)."""
+    return torch.where(weight == 0, torch.zeros_like(term), weight * term)
+
+
+def draft_head_row_losses(z: torch.Tensor, t: torch.Tensor | None, labels: torch.Tensor | None,
+                          names: tuple[str, ...]) -> dict:
+    """The per-row losses of speculators' losses/eager.py over logits z, t [N, V] (any
+    float dtype, computed in float32 or float64 as z's precision allows), ce against
+    labels [N] (in range). Where a probability is exactly 0 its term is 0."""
+    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    z = z.to(dtype)
+    draft_lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    log_q = z - draft_lse
+    q = log_q.exp()
+    losses = {}
+    if t is not None:
+        t = t.to(dtype)
+        log_p = t - torch.logsumexp(t, dim=-1, keepdim=True)
+        p = log_p.exp()
+        log_m = torch.logaddexp(log_q, log_p) - math.log(2.0)
+        for name in names:
+            if name == "kl_div":
+                losses[name] = _where_zero(p, log_p - log_q).sum(-1)
+            elif name == "rkl":
+                losses[name] = _where_zero(q, log_q - log_p).sum(-1)
+            elif name == "jsd":
+                losses[name] = 0.5 * (_where_zero(p, log_p - log_m) + _where_zero(q, log_q - log_m)).sum(-1)
+            elif name == "tv":
+                losses[name] = 1.0 - torch.minimum(p, q).sum(-1)
+    if "ce" in names:
+        losses["ce"] = draft_lse.squeeze(-1) - z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return losses
+
+
+def draft_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    target_hidden: torch.Tensor | None = None,
+    target_weight: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    losses: tuple[str, ...] = ("kl_div",),
+    top_k: int = 16,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    logits_dtype: torch.dtype | None = None,
+) -> DraftHeadOutput:
+    """The dense draft head: [..., V] logits for both sides, then speculators' losses on
+    them (log_softmax in float32, float64 for float64 logits), top-k and argmax of the
+    logits rounded to ``logits_dtype`` (ties: the lower id). Arguments and results as
+    :func:`dflash2_kernels.draft_head` (SPEC section 7); differentiable as upstream's."""
+    lead = hidden.shape[:-1]
+    vocab = weight.shape[0]
+    logits_dtype = logits_dtype or hidden.dtype
+    z = draft_head_logits(hidden, weight, logit_scale, softcap).reshape(-1, vocab)
+    t = None
+    if target_hidden is not None:
+        target_weight = weight if target_weight is None else target_weight
+        t = draft_head_logits(target_hidden, target_weight, logit_scale, softcap).reshape(-1, vocab)
+    rounded = z.to(logits_dtype)
+    topk_ids = torch.sort(rounded.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    draft_argmax = torch.argmax(rounded.detach(), dim=-1)
+    stat_dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    target_argmax = target_lse = at_topk = overlap = None
+    if t is not None:
+        target_argmax = torch.argmax(t.detach().to(logits_dtype), dim=-1)
+        target_lse = torch.logsumexp(t.detach().to(stat_dtype), dim=-1).float()
+        at_topk = t.detach().to(stat_dtype).gather(-1, topk_ids).float()
+        p = torch.softmax(t.detach().to(stat_dtype), -1)
+        overlap = torch.minimum(p, torch.softmax(z.detach().to(stat_dtype), -1)).sum(-1).float()
+    label_ids = labels.reshape(-1).long() if labels is not None else target_argmax
+    label_logit = label_in_topk = None
+    ignored = None
+    if label_ids is not None:
+        ignored = label_ids == IGNORE_INDEX
+        safe = torch.where(ignored, 0, label_ids)
+        label_logit = rounded.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        label_in_topk = (topk_ids == safe.unsqueeze(-1)).any(-1) & ~ignored
+    row_losses = draft_head_row_losses(z, t, None if label_ids is None else torch.where(ignored, 0, label_ids),
+                                       tuple(losses))
+    out_losses = {}
+    for name in losses:
+        loss = row_losses[name].float()
+        if ignored is not None:
+            loss = torch.where(ignored, torch.zeros_like(loss), loss)
+        out_losses[name] = loss.reshape(lead)
+
+    def shaped(tensor, *tail):
+        return None if tensor is None else tensor.reshape(tuple(lead) + tail)
+
+    return DraftHeadOutput(
+        losses=out_losses,
+        topk_ids=shaped(topk_ids, top_k),
+        topk_logits=shaped(rounded.gather(-1, topk_ids), top_k),
+        label_ids=shaped(label_ids),
+        label_logit=shaped(label_logit),
+        label_in_topk=shaped(label_in_topk),
+        draft_lse=shaped(torch.logsumexp(z.detach().to(stat_dtype), dim=-1).float()),
+        target_lse=shaped(target_lse),
+        draft_argmax=shaped(draft_argmax),
+        target_argmax=shaped(target_argmax),
+        target_logits_at_topk=shaped(at_topk, top_k),
+        overlap=shaped(overlap),
+    )

@@ -25,14 +25,23 @@
 #                        reference would cost more than the whole step
 #   bench_selector   50  --no-compile, both shapes
 #   bench_serving    60  --no-compile, B in {1, 8, 32, 128}; many CUDA-graph captures
-# The caps add up to 580 s, more than fits: they are there against hangs. The hard bound
+#   bench_head       75  --no-compile, N 4096 / 8192 / 16384 x V 248,320 x H 5120 bf16: the
+#                        dense head's [N, V] passes take ~0.1-1 s a call there, and a
+#                        dense row that does not fit is recorded as skipped
+# The caps add up to more than fits: they are there against hangs. The hard bound
 # is BUDGET_S: no step may run past it (its cap shrinks to what is left), so the run ends
 # at BUDGET_S plus the summary, within 9 minutes even when every step runs to its cap;
 # then the last benchmarks are cut short or skipped, and the summary still comes back.
 # Time the required steps leave unused (expected: a few minutes) goes to the optional
-# torch.compile comparisons (conv: the ">= 2x torch.compile" target), each started
-# only when its whole cap still fits: the benchmarks write their records only at the
-# end, so a cut-short run is wasted time. Optional steps never change the exit status.
+# steps, the FSDP2 step first, then the torch.compile comparisons (conv: the ">= 2x
+# torch.compile" target), each started only when its whole cap still fits: the
+# benchmarks write their records only at the end, so a cut-short run is wasted time.
+# Optional steps never change the exit status. Their caps:
+#   fsdp_step        60  one FSDP2 training step of the patched tiny speculators drafter on
+#                        the GPU in a 1-rank gloo process group (no NCCL: FSDP2 skips its
+#                        collectives at world size 1), against the unsharded model; ~15 s
+#                        of imports, the steps themselves well under 1 s
+#   conv_compile    100  and selector_compile 90: Inductor's cold compiles
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -148,6 +157,57 @@ step tests_rest 120 "${PYTEST[@]}" -m "not gpu"
 step bench_conv 50 "$PY" benchmarks/bench_conv.py --no-compile --out "$OUT/bench.jsonl"
 step bench_selector 50 "$PY" benchmarks/bench_selector.py --no-compile --out "$OUT/bench.jsonl"
 step bench_serving 60 "$PY" benchmarks/bench_serving.py --no-compile --out "$OUT/bench.jsonl"
+step bench_head 75 "$PY" benchmarks/bench_head.py --no-compile --out "$OUT/bench.jsonl"
+
+# FSDP2 on the GPU without NCCL: a 1-rank gloo process group, FSDP2's per-layer + root
+# sharding as speculators applies it (apply_fully_sharded), the patched tiny drafter of
+# tests/upstream_models.py. fp32: the sharded step's loss and gradients equal the
+# unsharded model's (same kernels, no collective); then speculators' --fsdp-shard setting
+# (bf16 parameters, fp32 reduction, bf16 autocast) and an AdamW step: finite, our ops ran.
+# Eager (speculators would compile its forward with Inductor here: minutes, not this cap).
+optional_step fsdp_step 60 "$PY" -c "
+import dataclasses, math, sys
+import torch, torch.distributed as dist
+import dflash2_kernels as dk
+from speculators.train.distributed import apply_fully_sharded
+from tests import upstream_models as um
+if not torch.cuda.is_available():
+    sys.exit('no CUDA device')
+dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+cuda = torch.device('cuda')
+fields = [getattr(um.speculators_batch(0), f.name) for f in dataclasses.fields(um.SpeculatorsBatch)]
+batch = um.SpeculatorsBatch(*[v.to(cuda) if torch.is_tensor(v) else v for v in fields])
+def local(t):
+    return t.to_local() if hasattr(t, 'to_local') else t
+def model(sharded, param_dtype=torch.float32):
+    m = um.speculators_draft(0)
+    assert len(dk.patch(m).replaced) == 2 * um.LAYERS + 1
+    m.to(cuda)
+    return apply_fully_sharded(m, param_dtype=param_dtype) if sharded else m
+def step(m, autocast=False):
+    with um.count_dflash2_ops() as counter, torch.autocast('cuda', torch.bfloat16, enabled=autocast):
+        loss, _ = um.speculators_loss(m, batch, seed=0)
+        loss.backward()
+    grads = {n: local(p.grad) for n, p in m.named_parameters() if p.requires_grad}
+    return loss.detach(), grads, dict(counter.counts)
+with torch.compiler.set_stance('force_eager'):
+    loss, grads, counts = step(model(True))
+    want_loss, want, _ = step(model(False))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for n, g in grads.items():
+        assert want[n].abs().max() > 0, n + ' got no gradient'
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-5 * want[n].abs().max().item())
+    print('fp32 FSDP2 step == unsharded: loss', loss.item(), '|', len(grads), 'gradients | ops', counts)
+    mixed = model(True, torch.bfloat16)
+    optimizer = torch.optim.AdamW(mixed.named_parameters(), lr=1e-3)
+    loss, grads, counts = step(mixed, autocast=True)
+    optimizer.step()
+    assert math.isfinite(loss.item()) and all(g.isfinite().all() for g in grads.values())
+    assert all(local(p).isfinite().all() for p in mixed.parameters())
+    assert counts.get('grouped_dynamic_conv') == 4 * um.LAYERS and counts.get('selector_scores_backward') == 1, counts
+    print('bf16 FSDP2 step + AdamW: loss', loss.item(), '| ops', counts)
+dist.destroy_process_group()
+"
 
 # Inductor's cold compiles dominate these (4 graphs for conv --quick, 3 for selector).
 optional_step conv_compile 100 "$PY" benchmarks/bench_conv.py --quick --out "$OUT/bench_compile.jsonl"

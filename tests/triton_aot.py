@@ -2,8 +2,8 @@
 
 Run as ``python -m tests.triton_aot`` in a process without ``TRITON_INTERPRET``:
 under the interpreter even triton.language's own helpers (``tl.zeros``) are
-interpreter objects and cannot be compiled. It reads a JSON list of conv
-configurations on stdin and prints, per configuration and kernel, the sm_90
+interpreter objects and cannot be compiled. It reads a JSON list of conv and
+draft head row configurations on stdin and prints, per configuration and kernel, the sm_90
 resource usage (or the compile error). Signatures and divisibility hints come from
 Triton's own run-time specializer, so what compiles here is what the launcher would
 JIT on the device.
@@ -35,6 +35,10 @@ def compile_launch(launch, target: GPUTarget = SM90):
     for index, name in enumerate(fn.arg_names):
         if name in launch.constexprs:
             signature[name] = "constexpr"
+            continue
+        declared = fn.params[index].annotation_type
+        if declared:  # a typed scalar (``x: tl.float64``): the JIT passes it as declared
+            signature[name] = declared
             continue
         kind, hint = native_specialize_impl(BaseBackend, launch.args[name], False, True, True)
         if kind == "constexpr":  # Triton specializes ints equal to 1
@@ -77,6 +81,39 @@ def conv_plans(hidden: int, group_size: int, taps: int, dtypes: list[str], rows:
     return {"forward": forward, "backward": backward}
 
 
+def head_row_plans(dtype: str, loss_mask: int, target: bool, labels: bool, softcap: bool, grads: bool,
+                   rows: int = 512, vocab: int = 248_320) -> dict:
+    """The draft head's row launches (forward, backward) for one configuration: a chunk of
+    ``rows`` rows of the Qwen3.8-27B vocabulary by default."""
+    from dflash2_kernels.head import row_launch
+
+    plane_dtype = getattr(torch, dtype)
+    losses_n = row_launch.loss_count(loss_mask)
+
+    def plane():
+        return torch.empty(rows, vocab, dtype=plane_dtype, device="meta")
+
+    logits = plane()
+    target_logits = plane() if target else None
+    label_ids = torch.empty(rows, dtype=torch.int64, device="meta") if labels else None
+    cap = 30.0 if softcap else 0.0
+    losses = torch.empty(losses_n, rows, dtype=plane_dtype, device="meta")
+    stats = torch.empty(rows, 3, dtype=plane_dtype, device="meta")
+    loss_grads = torch.empty(losses_n, rows, vocab, dtype=plane_dtype, device="meta") if grads else None
+    forward = row_launch.plan_head_rows_forward(logits, target_logits, label_ids, loss_mask, 1.0, cap, losses,
+                                                stats, loss_grads)
+    backward = row_launch.plan_head_rows_backward(logits, target_logits, label_ids, loss_mask, 1.0, cap, losses)
+    return {"forward": forward, "backward": backward}
+
+
+def plans_of(config) -> dict:
+    """A conv configuration is a list (conv_plans' arguments); a draft head row
+    configuration a dict {"head_rows": head_row_plans' keyword arguments}."""
+    if isinstance(config, dict):
+        return head_row_plans(**config["head_rows"])
+    return conv_plans(*config)
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tests.triton_aot must run without TRITON_INTERPRET=1")
@@ -84,7 +121,7 @@ def main() -> None:
     for config in json.load(sys.stdin):
         key = json.dumps(config)
         results[key] = {}
-        for kernel, plan in conv_plans(*config).items():
+        for kernel, plan in plans_of(config).items():
             try:
                 results[key][kernel] = resource_usage(compile_launch(plan))
             except Exception as error:  # reported per configuration by the test

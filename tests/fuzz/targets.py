@@ -29,6 +29,7 @@ TARGETS: dict[str, str] = {
     "walk": "serving:walk_case",
     "rejection_sample": "serving:rejection_sample_case",
     "greedy_verify": "serving:greedy_verify_case",
+    "draft_head": "head:draft_head_case",
     # raw ops: torch.ops.dflash2.<the name after "op.">
     "op.grouped_dynamic_conv": "conv:conv_op_case",
     "op.grouped_dynamic_conv_backward": "conv:conv_backward_op_case",
@@ -39,6 +40,10 @@ TARGETS: dict[str, str] = {
     "op.candidate_topk": "serving:candidate_topk_op_case",
     "op.select_path": "serving:select_path_op_case",
     "op.rejection_sample": "serving:rejection_sample_op_case",
+    "op.draft_head": "head:draft_head_op_case",
+    "op.draft_head_backward": "head:draft_head_backward_op_case",
+    "op.draft_head_rows_cpu": "head:draft_head_rows_cpu_case",
+    "op.draft_head_rows_backward_cpu": "head:draft_head_rows_backward_cpu_case",
 }
 
 # Misbehaving on purpose: the harness's own test that crashes and hangs are reported.

@@ -1,0 +1,144 @@
+"""``dk.draft_head``: the draft's per-row losses against the verifier and the selector's
+top-k candidates straight from hidden states, never holding [N, V] logits (SPEC section 7)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import reference
+from .._backend import selected_backend, triton_importable
+from .._extension import has_kernel
+from .checks import check_head_args, loss_mask_of, loss_names
+from .gemm import compute_dtype
+
+__all__ = ["DraftHeadOutput", "draft_head", "tile_rows_for"]
+
+DraftHeadOutput = reference.DraftHeadOutput
+TILE_ENV = "DFLASH2_HEAD_TILE_MB"
+# The working set of one chunk of rows (its logits, the target's and the forward's loss
+# gradient planes) in MiB, by device. CPU: measured (benchmarks/micro/head_tile.py,
+# docs/BENCHMARKS.md "draft head"): the GEMMs need chunks of ~64+ rows to run at speed, and
+# 256 MiB gives 64 rows at V = 131,072 with two losses, within 1/8 of the dense head's
+# memory. CUDA: not measured yet; 1 GiB gives ~256 rows of V = 248,320 with two losses,
+# enough rows for cuBLAS's tiles, under a tenth of the dense head's [N, V] tensors at 16k rows.
+DEFAULT_TILE_MB = {"cpu": 256, "cuda": 1024}
+
+
+def tile_rows_for(vocab: int, losses: int, has_target: bool, planes: bool, dtype: torch.dtype,
+                  tile_mb: float | None = None, device_type: str = "cpu") -> int:
+    """Rows per chunk so that the chunk's [R, V] planes fit in ``tile_mb`` MiB (at least
+    one row); ``tile_mb`` defaults to ``DFLASH2_HEAD_TILE_MB`` or the device's DEFAULT_TILE_MB."""
+    if tile_mb is None:
+        raw = os.environ.get(TILE_ENV, "").strip()
+        try:
+            tile_mb = float(raw) if raw else DEFAULT_TILE_MB.get(device_type, DEFAULT_TILE_MB["cpu"])
+        except ValueError:
+            raise ValueError(f"{TILE_ENV} must be a number of MiB, got {raw!r}.") from None
+    if isinstance(tile_mb, bool) or not isinstance(tile_mb, (int, float)) or not 0 < tile_mb < float("inf"):
+        raise ValueError(f"tile_mb (or {TILE_ENV}) must be a positive number of MiB, got {tile_mb!r}.")
+    planes_per_row = 1 + int(has_target) + (losses if planes else 0)
+    return max(1, int(tile_mb * (1 << 20)) // (planes_per_row * vocab * dtype.itemsize))
+
+
+def _kernel_for(device: torch.device) -> bool:
+    backend = selected_backend()
+    if backend == "reference":
+        return False
+    if backend == "triton" or device.type == "cuda":
+        return triton_importable()
+    return device.type == "cpu" and has_kernel("draft_head_rows_cpu", "cpu")
+
+
+def draft_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    target_hidden: torch.Tensor | None = None,
+    target_weight: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    losses=("kl_div",),
+    top_k: int = 16,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    logits_dtype: torch.dtype | None = None,
+    tile_mb: float | None = None,
+) -> DraftHeadOutput:
+    """The draft head's per-row losses and candidates without [N, V] logits.
+
+    hidden: [..., H] float (the draft's normed last hidden state; differentiable),
+    weight: [V, H] float (the lm_head; differentiable when it requires grad, its gradient
+    accumulated in float32); target_hidden: [..., H] and target_weight: [V, H] (default
+    weight), the verifier's side, never differentiated; labels: [...] int64 (-100: an
+    ignored row); losses: names among "kl_div", "rkl", "jsd", "tv", "ce"; top_k in [0, V];
+    z = softcap * tanh(logit_scale * h W^T / softcap) (no tanh for softcap None);
+    logits_dtype: what the logits are rounded to before top-k / argmax (default hidden's);
+    tile_mb: the chunk's working set in MiB (default DFLASH2_HEAD_TILE_MB, else 256 on
+    the CPU, 1024 on CUDA).
+
+    hidden is taken in weight's dtype and every product accumulated in float32 (float64
+    for float64 weights). Returns :class:`DraftHeadOutput` (SPEC section 7): ``losses`` a
+    dict name -> [...] float32, ``topk_ids`` / ``topk_logits`` [..., K], ``label_ids``,
+    ``label_logit``, ``label_in_topk`` [...], the no-grad statistics ``draft_lse``,
+    ``target_lse``, ``draft_argmax``, ``target_argmax``, ``target_logits_at_topk``,
+    ``overlap``; target-side fields None without target_hidden, label fields None with
+    neither labels nor target_hidden.
+    """
+    loss_mask = loss_mask_of(losses)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}.")
+    if logits_dtype is None and isinstance(hidden, torch.Tensor):
+        logits_dtype = hidden.dtype
+    check_head_args(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale,
+                    0.0 if softcap is None else softcap, logits_dtype)
+    for name, tensor in (("target_hidden", target_hidden), ("target_weight", target_weight)):
+        if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but draft_head never differentiates the verifier's side: "
+                             f"pass {name}.detach().")
+    if not _kernel_for(hidden.device):
+        return reference.draft_head(hidden, weight, target_hidden=target_hidden, target_weight=target_weight,
+                                    labels=labels, losses=loss_names(loss_mask), top_k=top_k,
+                                    logit_scale=logit_scale, softcap=softcap, logits_dtype=logits_dtype)
+    lead = hidden.shape[:-1]
+    width = hidden.shape[-1]
+    vocab = weight.shape[0]
+    losses_count = bin(loss_mask).count("1")
+    grad_on = torch.is_grad_enabled()
+    # Keeping dL_l/dh costs one GEMM per loss in the forward; recomputing costs one per side
+    # plus dS @ W in the backward, and the row passes again: keep them while that is no dearer.
+    recompute_gemms = 2 + int(target_hidden is not None)
+    planes = (grad_on and hidden.requires_grad and not weight.requires_grad
+              and 0 < losses_count <= recompute_gemms)
+    tile_rows = tile_rows_for(vocab, losses_count, target_hidden is not None, planes, compute_dtype(weight.dtype),
+                              tile_mb, hidden.device.type)
+    flat_target = None if target_hidden is None else target_hidden.reshape(-1, width)
+    flat_labels = None if labels is None else labels.reshape(-1)
+    (loss_rows, topk_ids, topk_logits, label_ids, label_logit, draft_lse, target_lse, draft_argmax, target_argmax,
+     at_topk, overlap, _topk_z, _label_z, _planes) = torch.ops.dflash2.draft_head(
+        hidden.reshape(-1, width), weight, flat_target, target_weight, flat_labels, loss_mask, top_k,
+        float(logit_scale), 0.0 if softcap is None else float(softcap), logits_dtype, planes, tile_rows)
+
+    def shaped(tensor, *tail):
+        return tensor.reshape(tuple(lead) + tail)
+
+    has_target = target_hidden is not None
+    has_label = labels is not None or has_target
+    label_in_topk = None
+    if has_label:
+        label_in_topk = shaped((topk_ids == label_ids.unsqueeze(1)).any(1) & (label_ids != reference.IGNORE_INDEX))
+    return DraftHeadOutput(
+        losses={name: shaped(loss_rows[i]) for i, name in enumerate(loss_names(loss_mask))},
+        topk_ids=shaped(topk_ids, top_k),
+        topk_logits=shaped(topk_logits, top_k),
+        label_ids=shaped(label_ids) if has_label else None,
+        label_logit=shaped(label_logit) if has_label else None,
+        label_in_topk=label_in_topk,
+        draft_lse=shaped(draft_lse.detach()),
+        target_lse=shaped(target_lse.detach()) if has_target else None,
+        draft_argmax=shaped(draft_argmax),
+        target_argmax=shaped(target_argmax) if has_target else None,
+        target_logits_at_topk=shaped(at_topk.detach(), top_k) if has_target else None,
+        overlap=shaped(overlap.detach()) if has_target else None,
+    )
