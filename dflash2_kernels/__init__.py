@@ -25,6 +25,8 @@ from .modules import CandidateSelector, GroupedDynamicCausalConv
 from .compat.patch import patch, patch_nemo, patch_speculators, unpatch, unpatch_nemo, unpatch_speculators
 from .selector import pair_scores, score_candidates, transition_scores
 from .serving import candidate_topk, edge_scores, greedy_verify, rejection_sample, walk
+from . import distributed  # DTensor sharding rules for the ops above (after they are defined)
+from . import _autocast  # torch.autocast rules for the ops above (after they are defined)
 
 __version__ = "0.1.0"
 

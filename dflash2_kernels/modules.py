@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -76,6 +78,74 @@ def _upstream_sizes(module: nn.Module, *names: str) -> dict:
     if missing:
         raise ValueError(f"the upstream module {type(module).__name__} has no {', '.join(missing)} attribute.")
     return {name: getattr(module, name) for name in names}
+
+
+# --- FSDP2: methods other than forward ----------------------------------------------------
+
+
+_FSDP: tuple = ()  # (DTensor, FSDPModule, register_fsdp_forward_method) once looked up
+
+
+def _fsdp_api() -> tuple:
+    """(DTensor, FSDPModule, register_fsdp_forward_method), or () where torch.distributed
+    is not built; imported on first use, not with the package."""
+    global _FSDP
+    if not _FSDP and torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+        from torch.distributed.tensor import DTensor
+
+        _FSDP = (DTensor, FSDPModule, register_fsdp_forward_method)
+    return _FSDP
+
+
+def _fsdp_gathered(module: nn.Module, dtensor: type) -> bool:
+    """Whether FSDP2 has gathered ``module``'s parameters (it is inside its forward or a
+    registered forward method, or they were not resharded since)."""
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+    if groups is None:  # a torch without per-state groups: judge by the parameters themselves
+        return not any(isinstance(p, dtensor) for p in module.parameters())
+    return all(group.is_unsharded for group in groups)
+
+
+def fsdp_forward_method(module: nn.Module, name: str) -> Callable | None:
+    """None when ``module.<name>`` can run on the module's parameters as they are; else
+    the bound method to call instead, which gathers them first.
+
+    FSDP2 (``fully_shard``) gathers a module's parameters around ``forward`` only. A
+    selector that was sharded itself and is called through another method
+    (``pair_scores``, ``walk``, ``select``, ...) would hand our ops its sharded DTensor
+    parameters beside plain tensors. For such a module the method is registered with
+    ``torch.distributed.fsdp.register_fsdp_forward_method`` on first call (what FSDP
+    asks of its users) and the registered one is returned: it gathers the parameters
+    before the method, and reshards them and reduces their gradients after, as around
+    forward. Code being compiled is left alone: registering is a side effect no graph
+    can hold (Dynamo runs FSDP2's hooks outside its graphs anyway), and the check would
+    only add guards.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    api = _fsdp_api()
+    if not api or not isinstance(module, api[1]) or _fsdp_gathered(module, api[0]):
+        return None
+    if name in vars(module):  # registered already, yet called with the parameters sharded
+        raise RuntimeError(f"{type(module).__name__}.{name} was called with the module's parameters sharded by "
+                           f"FSDP2, outside the registered forward method (call module.{name}(...), not the "
+                           "class's).")
+    api[2](module, name)
+    return getattr(module, name)
+
+
+def _sharded_parameters_error(module: nn.Module, argument: str, error: RuntimeError) -> RuntimeError:
+    """What to do when ``module``'s parameters are DTensors and ``argument`` is not (torch's
+    own message names neither), as when a module above it was sharded by FSDP2."""
+    kind = type(module).__name__
+    return RuntimeError(
+        f"{kind}: {argument} is a plain tensor but the module's parameters are DTensors ({error}). Where "
+        "FSDP2 (fully_shard) sharded a module above this one, it gathers them only inside that module's "
+        "forward: call this method from that forward, or register the method that calls it with "
+        "torch.distributed.fsdp.register_fsdp_forward_method(<that module>, '<method>') (NeMo's draft: "
+        f"'spec_generate'), or fully_shard this {kind} itself: its methods then gather their own parameters."
+    )
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -237,7 +307,12 @@ class CandidateSelector(nn.Module):
     def _project(self, hidden: torch.Tensor, name: str) -> torch.Tensor:
         """P = W h: [..., H] -> [..., r], with a message that names the argument."""
         check_hidden(name, hidden, self.hidden_projection.weight)
-        return self.hidden_projection(hidden)
+        try:
+            return self.hidden_projection(hidden)
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" in str(error):
+                raise _sharded_parameters_error(self, name, error) from error
+            raise
 
     def context(self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor) -> torch.Tensor:
         """A[pred] * W h in the codebook dtype: [..., r] (speculators).
@@ -245,6 +320,8 @@ class CandidateSelector(nn.Module):
         hidden_states [..., H] float; predecessor_ids [...] int in [0, V), checked on
         every device (a device sync: this is not a training hot path).
         """
+        if (gathered := fsdp_forward_method(self, "context")) is not None:
+            return gathered(hidden_states, predecessor_ids)
         projected = self._project(hidden_states, "hidden_states")
         check_context_ids(predecessor_ids, projected, self.predecessor_codebook)
         return reference.selector_context(self.predecessor_codebook, projected, predecessor_ids)
@@ -253,6 +330,8 @@ class CandidateSelector(nn.Module):
         self, hidden_states: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor
     ) -> torch.Tensor:
         """T(pred, cand_j) for each candidate: [..., k] in the codebook dtype."""
+        if (gathered := fsdp_forward_method(self, "transition_scores")) is not None:
+            return gathered(hidden_states, predecessor_ids, candidate_ids)
         return transition_scores(
             self._project(hidden_states, "hidden_states"),
             self.predecessor_codebook,
@@ -269,6 +348,8 @@ class CandidateSelector(nn.Module):
         candidate_ids: torch.Tensor,
     ) -> torch.Tensor:
         """U[..., cand_j] + T(pred, cand_j): [..., k] in unary_logits' dtype (speculators)."""
+        if (gathered := fsdp_forward_method(self, "score_candidates")) is not None:
+            return gathered(unary_logits, hidden_states, predecessor_ids, candidate_ids)
         return score_candidates(
             unary_logits,
             self._project(hidden_states, "hidden_states"),
@@ -287,6 +368,8 @@ class CandidateSelector(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(unary top-k ids [..., k], their scores [..., k]) (speculators). top_k: this
         module's by default; 0 gives empty results, as torch.topk does."""
+        if (gathered := fsdp_forward_method(self, "select")) is not None:
+            return gathered(unary_logits, hidden_states, predecessor_ids, top_k)
         k = self.top_k if top_k is None else top_k
         vocab = self.predecessor_codebook.shape[0]
         if isinstance(k, bool) or not isinstance(k, int):
@@ -308,6 +391,8 @@ class CandidateSelector(nn.Module):
         predecessor_ids: torch.Tensor,
     ) -> torch.Tensor:
         """NeMo's ``pair_scores``: unary [..., k] already gathered; dtypes promote."""
+        if (gathered := fsdp_forward_method(self, "pair_scores")) is not None:
+            return gathered(hidden, unary, candidate_ids, predecessor_ids)
         return pair_scores(
             self._project(hidden, "hidden"),
             unary,
@@ -321,6 +406,8 @@ class CandidateSelector(nn.Module):
         self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(edges [B, D, k, k], candidate_ids [B, D, k]) of one drafted block: see :func:`edge_scores`."""
+        if (gathered := fsdp_forward_method(self, "edge_scores")) is not None:
+            return gathered(hidden, logits, anchor_ids)
         return edge_scores(self._project(hidden, "hidden"), logits, anchor_ids, self.predecessor_codebook,
                            self.successor_codebook, self.top_k)
 
@@ -338,6 +425,8 @@ class CandidateSelector(nn.Module):
         Returns (path [B, D], candidate_ids [B, D, k], draft_probs [B, D, k] float32 or
         None when temperature == 0); see :func:`walk`.
         """
+        if (gathered := fsdp_forward_method(self, "walk")) is not None:
+            return gathered(hidden, logits, anchor_ids, temperature, generator=generator)
         return walk(self._project(hidden, "hidden"), logits, anchor_ids, self.predecessor_codebook,
                     self.successor_codebook, self.top_k, temperature, generator=generator)
 

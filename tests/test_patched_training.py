@@ -16,11 +16,6 @@ here, a vocabulary of a few hundred), so every test runs in seconds on two CPU c
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import socket
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +26,7 @@ import dflash2_kernels as dk
 from dflash2_kernels._extension import EXTENSION_LOADED
 
 from . import upstream_models as um
+from .distributed_support import WORLD, load_rank_results, requires_gloo, run_ranks, save_rank_result
 
 pytest.importorskip("transformers")
 
@@ -252,53 +248,17 @@ def test_compiled_training_step_is_one_graph_and_equals_eager(flavour):
 # --- DistributedDataParallel over two processes -----------------------------------------
 
 
-WORLD = 2
-DDP_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
-    """One DDP rank: its half of the global batch, one step; saves its gradients."""
-    import torch.distributed as dist
+def _ddp_worker(rank: int, out_dir: str) -> None:
+    """One DDP rank (tests/distributed_support.py's process group): its half of the
+    global batch, one step; saves its gradients."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the host's network
-    torch.set_num_threads(1)  # two ranks on a 2-core machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=DDP_TIMEOUT_S // 2))
-    try:
-        cpu = torch.device("cpu")
-        model = DistributedDataParallel(patched_step_model("speculators", device=cpu))
-        inputs = layer_inputs(seed=3, batch=WORLD * BATCH, device=cpu)
-        local = [t[rank * BATCH:(rank + 1) * BATCH] for t in inputs]
-        model(*local).backward()
-        torch.save({n: p.grad for n, p in model.module.named_parameters()}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_ranks(out_dir: Path) -> None:
-    """Spawn the ranks; kill them and fail if they are not done within DDP_TIMEOUT_S."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_ddp_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + DDP_TIMEOUT_S
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the DDP ranks did not finish within {DDP_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+    cpu = torch.device("cpu")
+    model = DistributedDataParallel(patched_step_model("speculators", device=cpu))
+    inputs = layer_inputs(seed=3, batch=WORLD * BATCH, device=cpu)
+    local = [t[rank * BATCH:(rank + 1) * BATCH] for t in inputs]
+    model(*local).backward()
+    save_rank_result(out_dir, rank, {n: p.grad for n, p in model.module.named_parameters()})
 
 
 def _global_batch_grads(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -308,12 +268,11 @@ def _global_batch_grads(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="torch.distributed with gloo")
+@requires_gloo
 def test_ddp_gradients_equal_one_process_on_the_global_batch(tmp_path):
     pytest.importorskip("speculators")
-    _run_ranks(tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    run_ranks(_ddp_worker, tmp_path)
+    ranks = load_rank_results(tmp_path)
     single, exact = _global_batch_grads(torch.float32), _global_batch_grads(torch.float64)
     assert ranks[0].keys() == single.keys()
     for name, want in single.items():

@@ -57,6 +57,15 @@ def require_ids_in_range(name: str, ids: torch.Tensor, vocab: int) -> None:
                          f"of {vocab}.")
 
 
+def refuse_dtensors(what: str, **tensors) -> None:
+    """A clear error for DTensors on a path that runs the PyTorch reference (whose plain
+    index tensors cannot meet them): dflash2_kernels.distributed.refuse_dtensors."""
+    if any(type(tensor) not in (torch.Tensor, torch.nn.Parameter) for tensor in tensors.values()):
+        from ..distributed import refuse_dtensors as refuse
+
+        refuse(what, **tensors)
+
+
 def kernel_temperature(temperature) -> float:
     """The temperature as the kernels take it, a float32 (returned as a Python float):
     greedy versus sampled is decided from that value on every path, so a positive
@@ -74,8 +83,15 @@ def kernel_temperature(temperature) -> float:
     return value
 
 
-def uniforms(shape: tuple[int, ...], device: torch.device, generator) -> torch.Tensor:
+def uniforms(shape: tuple[int, ...], device: torch.device, generator, rows_of=None) -> torch.Tensor:
     """The draws' uniforms in [0, 1): one torch.rand launch, capturable in a CUDA graph.
     Every path (kernels and reference) draws them here, the same way, so a fixed
-    generator state gives the same tokens on each."""
-    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    generator state gives the same tokens on each. ``rows_of`` a DTensor (the batch's
+    rows): the draws become a DTensor laid out as its rows, rank 0's draws on every rank
+    (dflash2_kernels.distributed.like_rows)."""
+    draws = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    if rows_of is not None and type(rows_of) is not torch.Tensor:
+        from ..distributed import like_rows
+
+        draws = like_rows(draws, rows_of)
+    return draws

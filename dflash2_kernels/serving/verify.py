@@ -24,6 +24,7 @@ from .._extension import EXTENSION_LOADED, has_kernel
 from ._checks import (
     KERNEL_FLOATS,
     SERVING_FLOATS,
+    refuse_dtensors,
     require_generator,
     require_ids_in_range,
     require_one_device,
@@ -98,11 +99,14 @@ def rejection_sample(
     _validate(draft_tokens, target_probs, draft_probs, candidate_ids)
     require_generator(generator, draft_tokens.device)
     batch, draft = draft_tokens.shape
-    draws = uniforms((batch, draft + 1), draft_tokens.device, generator)
+    draws = uniforms((batch, draft + 1), draft_tokens.device, generator, rows_of=draft_tokens)
     vocab = target_probs.shape[2]
     if (selected_backend() == "reference" or not has_kernel("rejection_sample", draft_tokens.device.type)
             or target_probs.dtype not in KERNEL_FLOATS or draft_probs.dtype not in KERNEL_FLOATS
             or vocab > MAX_KERNEL_VOCAB):
+        refuse_dtensors(f"dk.rejection_sample with float64 probabilities, V > {MAX_KERNEL_VOCAB}, no compiled "
+                        f"kernel or DFLASH2_BACKEND=reference", draft_tokens=draft_tokens,
+                        target_probs=target_probs, draft_probs=draft_probs, candidate_ids=candidate_ids)
         require_ids_in_range("draft_tokens", draft_tokens, vocab)
         require_ids_in_range("candidate_ids", candidate_ids, vocab)
         return reference.rejection_sample(draft_tokens, target_probs, draft_probs, candidate_ids, draws)

@@ -27,6 +27,7 @@ from ._checks import (
     KERNEL_FLOATS,
     SERVING_FLOATS,
     kernel_temperature,
+    refuse_dtensors,
     require_generator,
     require_ids_in_range,
     require_one_device,
@@ -44,6 +45,8 @@ MAX_TOP_K = 32
 # the walk over them could too. In float64 every host and every call gets the same
 # edges (and closer to exact than a float32 sum).
 FALLBACK_TRANSITION_DTYPE = torch.float64
+# The message for DTensors on the reference path.
+_REFERENCE_PATH = f"dk.{{}} with k > {MAX_TOP_K}, float64 inputs, no compiled kernel or DFLASH2_BACKEND=reference"
 
 
 if EXTENSION_LOADED:
@@ -186,11 +189,17 @@ def edge_scores(
     """
     _validate_block(projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k)
     if not _on_kernels(projected, logits, predecessor_codebook, top_k):
+        refuse_dtensors(_REFERENCE_PATH.format("edge_scores"), projected=projected, logits=logits,
+                        anchor_ids=anchor_ids, predecessor_codebook=predecessor_codebook,
+                        successor_codebook=successor_codebook)
         require_ids_in_range("anchor_ids", anchor_ids, predecessor_codebook.shape[0])
         edges, candidate_ids = reference.serving_edge_scores(
             projected, logits, anchor_ids, predecessor_codebook, successor_codebook, top_k,
             transition_dtype=FALLBACK_TRANSITION_DTYPE)
-        return edges.to(reference.serving_score_dtype(logits, projected, predecessor_codebook)), candidate_ids
+        # NeMo's dtype, under torch.autocast too (its einsum then runs in the autocast dtype).
+        from .._autocast import serving_score_dtype
+
+        return edges.to(serving_score_dtype(logits, projected, predecessor_codebook)), candidate_ids
     no_draws = logits.new_empty(0, dtype=torch.float32)
     _, candidate_ids, _, edges = _select_path(projected, logits, anchor_ids, predecessor_codebook,
                                               successor_codebook, top_k, 0.0, no_draws)
@@ -226,9 +235,11 @@ def walk(
     temperature = kernel_temperature(temperature)
     require_generator(generator, logits.device)
     batch, draft = logits.shape[:2]
-    draws = (uniforms((batch, draft), logits.device, generator) if temperature > 0
+    draws = (uniforms((batch, draft), logits.device, generator, rows_of=logits) if temperature > 0
              else logits.new_empty(0, dtype=torch.float32))
     if not _on_kernels(projected, logits, predecessor_codebook, top_k):
+        refuse_dtensors(_REFERENCE_PATH.format("walk"), projected=projected, logits=logits, anchor_ids=anchor_ids,
+                        predecessor_codebook=predecessor_codebook, successor_codebook=successor_codebook)
         require_ids_in_range("anchor_ids", anchor_ids, predecessor_codebook.shape[0])
         return reference.serving_walk(projected, logits, anchor_ids, predecessor_codebook, successor_codebook,
                                       top_k, temperature, draws if temperature > 0 else None,
