@@ -37,6 +37,7 @@ BLAS_FILES = [
     "tests/test_compat_nemo.py",
     "tests/test_patch_speculators.py",
     "tests/test_patch_nemo.py",
+    "tests/test_head.py",
 ]
 NUMERICS = ["tests/test_conv_numerics.py", "tests/test_conv_cpp_op.py", *BLAS_FILES]
 FUZZ = "tests/test_fuzz.py"

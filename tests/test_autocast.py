@@ -314,7 +314,7 @@ def test_pair_scores_and_edges_round_once_to_upstreams_autocast_dtype():
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["frozen_weight", "weight_grad"])
 def test_draft_head_backward_inside_autocast_equals_outside(weight_grad):
     """The head's Python backward (einsum, bmm) runs with autocast excluded: a backward
-    inside ``torch.autocast`` gives the gradients it gives outside, bit for bit."""
+    inside ``torch.autocast`` gives the gradients it gives outside (up to the host BLAS)."""
     g = _gen(14)
     hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     target = torch.randn(N, H, generator=g)
@@ -326,9 +326,12 @@ def test_draft_head_backward_inside_autocast_equals_outside(weight_grad):
             (out.losses["kl_div"].sum() + out.losses["ce"].sum() + out.topk_logits.sum()
              + out.label_logit.sum()).backward()
         grads.append((h.grad, w.grad))
-    assert torch.equal(grads[0][0], grads[1][0])
+    # Not bit for bit: the GEMMs run on other buffers each time, and a BLAS without
+    # conditional reproducibility (MKL's AVX-512 kernels) may round them differently; a
+    # bf16 einsum, what this guards against, is off by ~1e-2.
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
     if weight_grad:
-        assert torch.equal(grads[0][1], grads[1][1])
+        torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
 
 
 @needs_extension
@@ -386,5 +389,6 @@ def test_compiled_calls_under_autocast_equal_eager():
         results.append((pair, edges, h.grad))
     for eager, compiled in zip(*results):
         assert compiled.dtype == eager.dtype
-        assert torch.equal(compiled, eager)
+        # the head's GEMMs may round differently on other buffers (MKL without CNR)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     assert results[0][0].dtype == BF16 and results[0][1].dtype == BF16
