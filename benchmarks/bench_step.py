@@ -3,12 +3,16 @@ Automodel serving step, before and after ``dk.patch`` of the same model.
 
     python benchmarks/bench_step.py [--out results.jsonl] [--no-compile] [--quick]
                                     [--full] [--layers N]
+                                    [--head [--budget-mib M] [--vocab V ...]]
 
     --full       on CPU, the real shapes below (fp32 there: tens of GB, slow)
     --layers N   draft layers (default 2)
     --no-compile on CUDA, run speculators' forward eagerly (speculators wraps it in
                  torch.compile whenever CUDA is available: both sides then run compiled)
     --quick      the training step only
+    --head       the training step with the fused head instead (see "head" below)
+    --budget-mib the memory budget of --head's anchor search (default 4096)
+    --vocab      --head's vocabularies (default 151936 248320)
 
 What runs (one model per step, switched between the two sides in place by
 ``dk.patch(model)`` / ``dk.unpatch(model)``, which keep the very Parameters and so the
@@ -30,6 +34,13 @@ optimizer; the sides' steps are timed in turns, then their memory measured):
   sampled: NeMo's ``dflash2_rejection_sample``, which takes one request, in a loop
   (``.item()`` per request, as spec_generate does). Ours: the patched walk, then
   ``dk.greedy_verify`` / ``dk.rejection_sample`` on the whole batch.
+
+- head (``--head``): the training step at the real vocabularies (V 151,936, Qwen3's, and
+  248,320, Qwen3.8's), three ways: upstream, ``ours`` (``dk.patch(model)``: conv and
+  selector) and ``ours+head`` (``dk.patch(model, fused_head=True)``: the losses,
+  candidates and metrics from dk.draft_head, no [A * L, V] tensor). Each row also gives
+  the largest number of anchors (``max_anchors``, doubling from 16) whose step stays
+  within the memory budget: the number of anchors a user can raise their run to.
 
 Time: median (p20, p80) ms per step after 2 warm-up steps per side, the two sides'
 steps taking turns so that a load change on a shared machine hits both alike (CUDA:
@@ -108,6 +119,9 @@ def _own_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--layers", type=int)
+    parser.add_argument("--head", action="store_true")
+    parser.add_argument("--budget-mib", type=float, default=4096.0)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[151_936, 248_320])
     own, rest = parser.parse_known_args()
     sys.argv = sys.argv[:1] + rest
     return own
@@ -204,7 +218,8 @@ def train_step_fn(model, size: Size, device: torch.device, dtype: torch.dtype, c
 
     def step():
         torch.manual_seed(0)  # the same anchors every step, on both sides
-        _, loss, _ = forward(**batch, **kwargs)
+        # The fused head is an instance-level forward (dk.patch(model, fused_head=True)).
+        _, loss, _ = vars(model).get("forward", forward)(**batch, **kwargs)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -316,25 +331,94 @@ def time_interleaved(sides: list[Side], device: torch.device, reps: int, budget_
         print(f"#   {side.case:28} {side.impl:9} {side.timing.median_ms:10.2f} ms", flush=True)
 
 
+IMPLS = ("upstream", "ours", "ours+head")
+
+
 def print_step_table(rows: list[Row]) -> None:
-    """Per case: upstream then ours, time and peak memory; "ours x" is upstream's median
-    over ours, "mem x" upstream's peak over ours."""
-    header = (f"{'case':28} {'impl':9} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'ours x':>7} "
-              f"{'peak MiB':>9} {'mem x':>6}")
+    """Per case: upstream, then ours (and ours+head), time and peak memory; "x up" is
+    upstream's median over the row's, "mem x" upstream's peak over the row's; "max A" the
+    most anchors within the budget (--head)."""
+    header = (f"{'case':28} {'impl':9} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'x up':>7} "
+              f"{'peak MiB':>9} {'mem x':>6} {'max A':>6}")
     print(header)
     print("-" * len(header))
-    ours = {r.case: r for r in rows if r.impl == "ours"}
-    order = {impl: i for i, impl in enumerate(("upstream", "ours"))}
+    upstream = {r.case: r for r in rows if r.impl == "upstream"}
     cases = list(dict.fromkeys(r.case for r in rows))
-    for r in sorted(rows, key=lambda r: (cases.index(r.case), order[r.impl])):
-        mine = ours.get(r.case)
-        speed = f"{r.timing.median_ms / mine.timing.median_ms:7.2f}" if mine and r is not mine else " " * 7
+    for r in sorted(rows, key=lambda r: (cases.index(r.case), IMPLS.index(r.impl))):
+        base = upstream.get(r.case)
+        speed = f"{base.timing.median_ms / r.timing.median_ms:7.2f}" if base and r is not base else " " * 7
         peak = r.extra.get("peak_extra_mib")
-        our_peak = mine.extra.get("peak_extra_mib") if mine else None
-        memory = f"{peak / our_peak:6.2f}" if r is not mine and peak and our_peak else " " * 6
+        base_peak = base.extra.get("peak_extra_mib") if base else None
+        memory = f"{base_peak / peak:6.2f}" if r is not base and peak and base_peak else " " * 6
         peak_text = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
+        anchors = r.extra.get("max_anchors_within_budget")
+        anchors_text = (f"{'<16':>6}" if "max_anchors_within_budget" in r.extra else " " * 6) if anchors is None else (
+            f"{anchors:>5d}+" if anchors == r.extra.get("anchor_search_limit") else f"{anchors:6d}")
         print(f"{r.case:28} {r.impl:9} {r.timing.median_ms:10.2f} {r.timing.p20_ms:9.2f} {r.timing.p80_ms:9.2f} "
-              f"{speed} {peak_text} {memory}")
+              f"{speed} {peak_text} {memory} {anchors_text}")
+
+
+# --- the fused head: the training step at the real vocabularies ----------------------------
+
+
+def _head_states(model) -> dict[str, Callable[[], object]]:
+    """impl -> what puts the shared model in that state."""
+    return {
+        "upstream": lambda: dk.unpatch(model),
+        "ours": lambda: (dk.unpatch(model), dk.patch(model)),
+        "ours+head": lambda: dk.patch(model, fused_head=True),
+    }
+
+
+# The anchor search's last count: 512 anchors are 4096 rows, a step of tens of seconds
+# at V 248,320 on two CPU cores; a row that still fits there reads "512+".
+ANCHOR_SEARCH_LIMIT = 512
+
+
+def max_anchors_within(model, size: Size, device, dtype, compiled: bool, budget_bytes: float,
+                       start: int = 16, stop: int = ANCHOR_SEARCH_LIMIT) -> int | None:
+    """The largest anchor count, doubling from ``start`` up to ``stop``, whose step's peak
+    memory stays within the budget (None: not even ``start``). Stops at the first that
+    does not fit: memory grows with the anchors."""
+    best = None
+    anchors = start
+    while anchors <= stop:
+        step = train_step_fn(model, replace(size, anchors=anchors), device, dtype, compiled)
+        peak = settled_peak_bytes(step, device)
+        print(f"#     {anchors:5d} anchors: {peak / 2**20:9.1f} MiB", flush=True)
+        if peak is None or peak > budget_bytes:
+            break
+        best = anchors
+        anchors *= 2
+    return best
+
+
+def head_sides(size: Size, vocabs: list[int], device, dtype, compiled: bool, reps: int,
+               budget_bytes: float, copy_gbps: float) -> list[Row]:
+    rows = []
+    for vocab in vocabs:
+        vsize = replace(size, vocab=vocab)
+        model = speculators_model(vsize, device, dtype)
+        case = f"train V{vocab} A{vsize.anchors}"
+        states = _head_states(model)
+        sides = []
+        for impl, restore in states.items():
+            restore()
+            sides.append(Side(case, impl, train_step_fn(model, vsize, device, dtype, compiled), restore))
+        time_interleaved(sides, device, reps, budget_s=600.0)
+        if device.type == "cpu":
+            steady_heap()
+        for side in sides:
+            side.restore()
+            side.peak = settled_peak_bytes(side.fn, device)
+            anchors = max_anchors_within(model, vsize, device, dtype, compiled, budget_bytes)
+            rows.append(Row("step", side.case, side.impl, side.timing, 0, copy_gbps,
+                            {"peak_extra_mib": None if side.peak is None else side.peak / 2**20,
+                             "max_anchors_within_budget": anchors, "budget_mib": budget_bytes / 2**20,
+                             "anchor_search_limit": ANCHOR_SEARCH_LIMIT,
+                             "size": asdict(vsize)}))
+        del model, sides
+    return rows
 
 
 def main() -> None:
@@ -350,6 +434,13 @@ def main() -> None:
     print(f"# {size.name}, {str(dtype).removeprefix('torch.')}; train: T {size.tokens}, {size.anchors} anchors "
           f"({size.anchors * size.block} rows){', speculators forward compiled' if compiled else ''}; "
           f"serve: B {size.requests}, C {size.context}")
+    if own.head:
+        print(f"# --head: V {own.vocab}, anchor search within {own.budget_mib:.0f} MiB")
+        rows = head_sides(size, own.vocab, device, dtype, compiled, 3 if device.type == "cpu" else reps,
+                          own.budget_mib * 2**20, run.copy_gbps)
+        print_step_table(rows)
+        write_records(rows, run.env, args.out)
+        return
     sides: list[Side] = []
 
     # Timing first, every side; the memory afterwards (steady_heap slows allocations).

@@ -20,8 +20,15 @@ Accepted layouts (a 1-D or N-D device mesh; every mesh dimension on its own):
   block (its positions ``n mod block_size`` are then the global ones and no tap crosses
   ranks); elsewhere it raises.
 
+The vocab-parallel draft head is not a rule: ``dk.draft_head`` takes a lm_head ``weight``
+DTensor ``Shard(0)`` on one mesh dim (Replicate on the others) to its vocab-parallel path
+(head/vocab_parallel.py), which unwraps every DTensor (``to_local()``) before any op runs,
+so the ``draft_head`` rule below never sees it; the op itself (reached with any other
+weight layout) still takes the lm_head whole.
+
 Anything else in a forward op (a sharded parameter, e.g. vocab-parallel ``Shard(0)``
-codebooks or lm_head weight; rows sharded on another dim; ``Partial()`` inputs) raises
+codebooks, an lm_head weight sharded otherwise or reaching the op directly; rows sharded
+on another dim; ``Partial()`` inputs) raises
 :class:`DTensorPlacementError` (a ValueError, and a NotImplementedError so that
 DTensor passes it on unwrapped) naming the argument and what to pass: ``.full_tensor()``, a
 ``redistribute(placements=[Replicate()])``, or plain local tensors. The backward ops
@@ -108,12 +115,12 @@ def _refuse(op: str, name: str, spec, why: str) -> None:
     )
 
 
-def _check_params(op: str, **params) -> None:
+def _check_params(op: str, why: str = "", **params) -> None:
     """Parameters (codebooks, base kernel, lm_head weight) must be Replicate."""
     for name, spec in params.items():
         if spec is not None and not _is_replicate(spec):
             _refuse(op, name, spec, "the kernels read this parameter whole (rows by token id, every channel), "
-                                    "so it must be Replicate() on every mesh dim")
+                                    "so it must be Replicate() on every mesh dim" + why)
 
 
 def _rows_sharded(op: str, **rows) -> bool:
@@ -275,7 +282,9 @@ def _register_all() -> None:
         def head(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale, softcap,
                  logits_dtype, hidden_grad_planes, tile_rows):
             op = "draft_head"
-            _check_params(op, weight=weight, target_weight=target_weight)
+            _check_params(op, " (a vocab-parallel lm_head, Shard(0) on one mesh dim and Replicate() on the others, "
+                              "goes to dk.draft_head, which runs it vocab-parallel; the op takes it whole)",
+                          weight=weight, target_weight=target_weight)
             present = [spec for spec in (hidden, weight, target_hidden, target_weight, labels) if spec is not None]
             planes = hidden_grad_planes and bin(loss_mask).count("1") > 0
             replicated = ([R] * 14, [R] * len(present))

@@ -4,8 +4,8 @@ gloo CPU mesh (``init_device_mesh('cpu', (2,))``): never silently wrong.
 Each case runs once on plain tensors (one process's result) and once on DTensors in a
 layout: ``replicate`` (everything Replicate), ``rows`` (row tensors Shard(0), parameters
 Replicate), ``codebooks`` (the parameters Shard(0): vocab-parallel codebooks / lm_head,
-conv ``base`` split over taps), ``sequence`` (rows Shard(1)) and ``partial`` (rows as
-Partial sums). Where the op has a rule the DTensor results (after
+conv ``base`` split over taps; the draft head runs a Shard(0) lm_head vocab-parallel),
+``sequence`` (rows Shard(1)) and ``partial`` (rows as Partial sums). Where the op has a rule the DTensor results (after
 ``full_tensor()``), gradients included, must equal the plain ones, in the documented
 placements (per-row results Shard(0), a gradient reduced over rows into a replicated
 parameter Partial). Where it has none, it must raise ``DTensorPlacementError`` (a
@@ -257,8 +257,9 @@ CASES = {
     "walk_reference_path": (case_walk_reference_path, {"replicate": "runs the PyTorch reference"}),
     "verify": (case_verify, {"replicate": None, "rows": None}),
     "verify_reference_path": (case_verify_reference_path, {"rows": "runs the PyTorch reference"}),
-    "draft_head": (case_draft_head, {"replicate": None, "rows": None, "codebooks": "weight"}),
-    "draft_head_weight_grad": (case_draft_head_weight_grad, {"rows": None}),
+    # A Shard(0) lm_head (replicated rows) runs vocab-parallel (head/vocab_parallel.py): one process's results.
+    "draft_head": (case_draft_head, {"replicate": None, "rows": None, "codebooks": None}),
+    "draft_head_weight_grad": (case_draft_head_weight_grad, {"rows": None, "codebooks": None}),
     "head_rows_kernel": (case_head_rows_kernel, {"rows": "does not have a sharding strategy"}),
 }
 # Row tensors sharded on dim 1 (sequence parallel) are not rows: a clear error too.

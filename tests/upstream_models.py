@@ -79,7 +79,7 @@ def randomise_dflash2_modules(model: nn.Module, generator: torch.Generator) -> N
 # --- speculators ------------------------------------------------------------------------
 
 
-def speculators_draft(seed: int = 0, *, randomise: bool = True) -> nn.Module:
+def speculators_draft(seed: int = 0, *, randomise: bool = True, vocab: int = VOCAB) -> nn.Module:
     """A tiny ``speculators.models.dflash2.DFlash2DraftModel`` (fp32, train mode).
 
     Built directly from a ``DFlash2SpeculatorConfig`` (``from_training_args`` would
@@ -93,14 +93,14 @@ def speculators_draft(seed: int = 0, *, randomise: bool = True) -> nn.Module:
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    layer_config = Qwen3Config(**_qwen3_sizes())
+    layer_config = Qwen3Config(**_qwen3_sizes(vocab_size=vocab))
     layer_config._attn_implementation = "eager"
     config = DFlash2SpeculatorConfig(
         transformer_layer_config=layer_config,
-        draft_vocab_size=VOCAB,
+        draft_vocab_size=vocab,
         block_size=BLOCK,
         aux_hidden_state_layer_ids=[0, 1],
-        mask_token_id=MASK_TOKEN,
+        mask_token_id=vocab - 1,
         conv_kernel_size=TAPS,
         conv_group_size=GROUP,
         selector_rank=RANK,
@@ -153,9 +153,10 @@ class SpeculatorsBatch:
                     document_ids=self.document_ids, max_anchors=self.max_anchors)
 
 
-def speculators_batch(seed: int = 0, *, tokens: int = 48, max_anchors: int = 6) -> SpeculatorsBatch:
+def speculators_batch(seed: int = 0, *, tokens: int = 48, max_anchors: int = 6,
+                      vocab: int = VOCAB) -> SpeculatorsBatch:
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, VOCAB - 1, (1, tokens), generator=generator)
+    input_ids = torch.randint(0, vocab - 1, (1, tokens), generator=generator)
     loss_mask = torch.ones(1, tokens, dtype=torch.long)
     loss_mask[:, : BLOCK // 2] = 0  # a prompt the loss skips
     document_ids = torch.zeros(1, tokens, dtype=torch.long)
@@ -194,17 +195,17 @@ NUM_TARGET_LAYERS = 4
 TARGET_LAYER_IDS = [1, 2]
 
 
-def nemo_draft_config():
+def nemo_draft_config(vocab: int = VOCAB):
     """The draft's ``Qwen3Config``: DFlash 2 settings in ``dflash_config``, eager attention
     (the trainer builds a dense SDPA-style mask for it)."""
     from transformers import Qwen3Config
 
-    config = Qwen3Config(**_qwen3_sizes())
+    config = Qwen3Config(**_qwen3_sizes(vocab_size=vocab))
     config.num_target_layers = NUM_TARGET_LAYERS
     config.block_size = BLOCK
     config.dflash_config = {
         "block_size": BLOCK,
-        "mask_token_id": MASK_TOKEN,
+        "mask_token_id": vocab - 1,
         "target_layer_ids": TARGET_LAYER_IDS,
         "conv_kernel_size": TAPS,
         "conv_group_size": GROUP,
@@ -215,19 +216,20 @@ def nemo_draft_config():
     return config
 
 
-def nemo_draft(seed: int = 0, *, randomise: bool = True) -> nn.Module:
+def nemo_draft(seed: int = 0, *, randomise: bool = True, vocab: int = VOCAB) -> nn.Module:
     """A tiny NeMo ``Qwen3DFlash2DraftModel`` (fp32, train mode), built from whatever
     ``draft_qwen3_dflash2`` holds now (so after ``patch_nemo()`` from ours)."""
     from nemo_automodel.components.speculative.dflash import draft_qwen3_dflash2
 
     torch.manual_seed(seed)
-    model = draft_qwen3_dflash2.Qwen3DFlash2DraftModel(nemo_draft_config())
+    model = draft_qwen3_dflash2.Qwen3DFlash2DraftModel(nemo_draft_config(vocab))
     if randomise:
         randomise_dflash2_modules(model, torch.Generator().manual_seed(seed + 1))
     return model.train()
 
 
-def qwen3_target(seed: int = 0, *, prior: float = 1.5, spread: float = 0.15) -> nn.Module:
+def qwen3_target(seed: int = 0, *, prior: float = 1.5, spread: float = 0.15, vocab: int = VOCAB,
+                 bias: bool = True) -> nn.Module:
     """A tiny random ``transformers.Qwen3ForCausalLM`` verifier (fp32, eval), the same
     vocabulary and width as the drafts here, ``NUM_TARGET_LAYERS`` layers.
 
@@ -238,18 +240,21 @@ def qwen3_target(seed: int = 0, *, prior: float = 1.5, spread: float = 0.15) -> 
     ever be accepted. The draft reads the target's head, so shares the prior: with the
     defaults drafts are accepted often and rejected often (both branches of
     verification run); a weaker prior and a larger spread (1.0, 0.3) give varied
-    greedy continuations instead of one token repeated.
+    greedy continuations instead of one token repeated. ``bias=False``: a bias-free
+    head, as real verifiers have (the fused head refuses a biased one).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**_qwen3_sizes(num_hidden_layers=NUM_TARGET_LAYERS), tie_word_embeddings=False)
+    config = Qwen3Config(**_qwen3_sizes(num_hidden_layers=NUM_TARGET_LAYERS, vocab_size=vocab),
+                         tie_word_embeddings=False)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     target = Qwen3ForCausalLM(config)
-    head = nn.Linear(HIDDEN, VOCAB, bias=True)
+    head = nn.Linear(HIDDEN, vocab, bias=bias)
     _fill(head.weight, torch.Generator().manual_seed(seed + 1), spread)
-    with torch.no_grad():
-        head.bias.copy_(-prior * torch.arange(1, VOCAB + 1, dtype=torch.float64).log())
+    if bias:
+        with torch.no_grad():
+            head.bias.copy_(-prior * torch.arange(1, vocab + 1, dtype=torch.float64).log())
     target.lm_head = head.requires_grad_(False)
     return target.eval()
 
@@ -263,7 +268,7 @@ def nemo_trainer(draft: nn.Module, target: nn.Module):
         draft_model=draft,
         target_lm_head=target.lm_head,
         target_embed_tokens=target.get_input_embeddings(),
-        mask_token_id=MASK_TOKEN,
+        mask_token_id=target.config.vocab_size - 1,
         block_size=BLOCK,
         attention_backend="sdpa",
         num_anchors=8,
@@ -287,12 +292,12 @@ class NemoBatch:
         return NemoBatch(self.input_ids, self.hidden_states.to(dtype), self.loss_mask)
 
 
-def nemo_batch(seed: int = 0, *, batch: int = 2, tokens: int = 40) -> NemoBatch:
+def nemo_batch(seed: int = 0, *, batch: int = 2, tokens: int = 40, vocab: int = VOCAB) -> NemoBatch:
     generator = torch.Generator().manual_seed(seed)
     loss_mask = torch.ones(batch, tokens)
     loss_mask[:, :2] = 0
     return NemoBatch(
-        input_ids=torch.randint(0, VOCAB - 1, (batch, tokens), generator=generator),
+        input_ids=torch.randint(0, vocab - 1, (batch, tokens), generator=generator),
         hidden_states=torch.randn(batch, tokens, len(TARGET_LAYER_IDS) * HIDDEN, generator=generator),
         loss_mask=loss_mask,
     )

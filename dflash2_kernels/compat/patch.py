@@ -26,13 +26,14 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
 
 from .. import conv, modules
-from . import nemo
+from . import nemo, nemo_head, speculators_head
 
 __all__ = [
     "PatchReport",
@@ -91,17 +92,20 @@ class PatchReport:
     ``already``: names left alone because they hold what this call would put there (a
     second patch is a no-op and says so here). ``skipped``: names that looked like a
     DFlash 2 conv or selector (or an installed name someone changed since), and why
-    they were not touched.
+    they were not touched. ``fused_head``: whether, after this call, the training
+    forwards it was asked to fuse (``fused_head=True``) compute their head with
+    :func:`dflash2_kernels.draft_head` (False when it was not asked, or found none).
     """
 
     action: str
     replaced: list[Replacement] = field(default_factory=list)
     already: list[str] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    fused_head: bool = False
 
     def __str__(self) -> str:
         lines = [f"dflash2_kernels.{self.action}: {len(self.replaced)} replaced, {len(self.already)} already done, "
-                 f"{len(self.skipped)} skipped"]
+                 f"{len(self.skipped)} skipped" + ("; fused head: on" if self.fused_head else "")]
         undo = self.action.startswith("unpatch")
         lines += [f"  replaced {r.name}: " + (f"{r.ours} -> {r.upstream}" if undo else f"{r.upstream} -> {r.ours}")
                   for r in self.replaced]
@@ -206,7 +210,88 @@ def _ours_classes() -> tuple[type, ...]:
     return tuple(set(_ours().values()))
 
 
-def patch(model: nn.Module) -> PatchReport:
+# --- the fused head: the trainers' training forwards ------------------------------------
+
+
+@dataclass(frozen=True)
+class _Trainer:
+    """An upstream training forward that fused_head replaces: the attributes ours reads,
+    where the class is defined, and ours."""
+
+    attributes: tuple[str, ...]
+    home: str
+    forward: Callable
+
+
+_TRAINERS = {
+    "DFlash2DraftModel": _Trainer(("lm_head", "verifier_lm_head", "candidate_selector", "_backbone_forward",
+                                   "_predecessor_ids", "block_size"),
+                                  "speculators.models.dflash2.core", speculators_head.fused_forward),
+    "DFlash2TrainerModule": _Trainer(("draft_model", "lm_head", "loss_fn", "_prepare_block_inputs",
+                                      "_build_block_targets", "_depth_weights"),
+                                     "nemo_automodel.components.speculative.dflash.dflash2_core",
+                                     nemo_head.fused_forward),
+}
+_FUSED_FORWARDS = frozenset(trainer.forward for trainer in _TRAINERS.values())
+_NO_TRAINER = ("no speculators DFlash2DraftModel or NeMo DFlash2TrainerModule below the model: nothing projects "
+               "to the vocabulary here")
+
+
+def _instance_forward(module: nn.Module):
+    """The function behind an instance-level ``forward`` (None when there is none)."""
+    forward = vars(module).get("forward")
+    return getattr(forward, "__func__", forward)
+
+
+def _why_not_fused(module: nn.Module, trainer: _Trainer) -> str | None:
+    """Why ``module``'s training forward cannot be replaced by ours, or None if it can."""
+    missing = [name for name in trainer.attributes if not hasattr(module, name)]
+    if missing:
+        return f"has no {', '.join(missing)}: not the upstream layout fused_head was written against"
+    if "forward" in vars(module):
+        return "has an instance-level forward already (not ours): left to it"
+    forward = type(module).forward
+    if forward not in _FUSED_FORWARDS and getattr(forward, "__qualname__", "") != f"{type(module).__name__}.forward":
+        return f"its forward is {_qualified(forward)}, not the class's own: a subclass's override would be lost"
+    return None
+
+
+def _fuse_heads(model: nn.Module, report: PatchReport) -> None:
+    """Give every upstream trainer module at or below ``model`` our fused-head training
+    forward, as an instance attribute."""
+    found = False
+    for name, module in model.named_modules():
+        trainer = _TRAINERS.get(type(module).__name__)
+        if trainer is None:
+            continue
+        found = True
+        label = f"{name or '<the model itself>'}.forward"
+        if _instance_forward(module) is trainer.forward:
+            report.already.append(label)
+            report.fused_head = True
+            continue
+        reason = _why_not_fused(module, trainer)
+        if reason is not None:
+            report.skipped.append(Skipped(label, _qualified(type(module)), reason))
+            continue
+        upstream = type(module).forward
+        module.forward = types.MethodType(trainer.forward, module)
+        report.replaced.append(Replacement(label, _qualified(upstream), _qualified(trainer.forward)))
+        report.fused_head = True
+    if not found:
+        report.skipped.append(Skipped("fused_head", _qualified(type(model)), _NO_TRAINER))
+
+
+def _unfuse_heads(model: nn.Module, report: PatchReport) -> None:
+    for name, module in model.named_modules():
+        ours = _instance_forward(module)
+        if ours in _FUSED_FORWARDS:
+            del module.forward
+            report.replaced.append(Replacement(f"{name or '<the model itself>'}.forward",
+                                               _qualified(type(module).forward), _qualified(ours)))
+
+
+def patch(model: nn.Module, *, fused_head: bool = False) -> PatchReport:
     """Swap every DFlash 2 conv and candidate selector of ``model`` for ours, in place.
 
     ``model``: an ``nn.Module`` holding speculators' or NeMo's
@@ -223,9 +308,18 @@ def patch(model: nn.Module) -> PatchReport:
 
     Only modules change. NeMo's ``spec_generate`` also calls the module-level
     ``dflash2_rejection_sample``: :func:`patch_nemo` swaps that one.
+
+    ``fused_head=True`` also gives every speculators ``DFlash2DraftModel`` and NeMo
+    ``DFlash2TrainerModule`` at or below ``model`` a training forward (an instance
+    attribute: the class is untouched) that computes the losses, the selector's
+    candidates and every logged metric with :func:`dflash2_kernels.draft_head`, never
+    holding [N, V] logits (docs/integration.md, "The fused head in the training step"); the report
+    lists those forwards and says ``fused head: on``. Off by default until it is
+    measured on a GPU.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
+    _check_flag(fused_head)
     report = PatchReport("patch")
     ours_classes = _ours_classes()
     swaps: dict[int, nn.Module] = {}
@@ -249,7 +343,14 @@ def patch(model: nn.Module) -> PatchReport:
                 report.skipped.append(Skipped(label, _qualified(type(module)),
                                               f"not a DFlash 2 conv or selector (class {kind})"))
     _swap_children(model, swaps)
+    if fused_head:
+        _fuse_heads(model, report)
     return report
+
+
+def _check_flag(fused_head) -> None:
+    if not isinstance(fused_head, bool):
+        raise TypeError(f"fused_head must be a bool, got {type(fused_head).__name__}.")
 
 
 def _inside_ours(model: nn.Module, name: str, ours_classes: tuple[type, ...]) -> bool:
@@ -274,8 +375,9 @@ def unpatch(model: nn.Module) -> PatchReport:
     Each original returns holding ours' current Parameter objects (the same ones, unless
     something replaced them since) and ours' training flag. A module that is ours but
     not through :func:`patch` (built from ours, e.g. after :func:`patch_speculators`)
-    has no original and stays; the report lists it. Unpatching a model with nothing to
-    put back is a no-op: an empty report, not an error, so that unpatching in a
+    has no original and stays; the report lists it. A fused-head training forward
+    (``patch(model, fused_head=True)``) is removed: the class's own runs again.
+    Unpatching a model with nothing to put back is a no-op: an empty report, not an error, so that unpatching in a
     ``finally`` never masks the error that got there.
     """
     if not isinstance(model, nn.Module):
@@ -298,6 +400,7 @@ def unpatch(model: nn.Module) -> PatchReport:
             swaps[id(module)] = original
             report.replaced.append(Replacement(label, _qualified(type(original)), _qualified(type(module))))
     _swap_children(model, swaps)
+    _unfuse_heads(model, report)
     return report
 
 
@@ -370,6 +473,30 @@ def _aliases(root: str, originals: dict[int, object]) -> list[tuple[object, str]
     return found
 
 
+def _holder_name(holder) -> str:
+    """A module's name, or a class's qualified name (a fused forward is a class attribute)."""
+    return _qualified(holder) if isinstance(holder, type) else holder.__name__
+
+
+def _install_fused_forward(package: str, class_name: str, report: PatchReport) -> None:
+    """Make upstream's trainer class ``class_name`` train with our fused-head forward."""
+    trainer = _TRAINERS[class_name]
+    try:
+        cls = getattr(importlib.import_module(trainer.home), class_name)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(f"dflash2_kernels.patch_{package}(fused_head=True) needs {trainer.home}.{class_name} "
+                          f"({error}).") from error
+    current = vars(cls).get("forward")
+    if current is trainer.forward:
+        report.already.append(f"{_qualified(cls)}.forward")
+    else:
+        _INSTALLED.setdefault(package, []).append((cls, "forward", current, trainer.forward))
+        cls.forward = trainer.forward
+        report.replaced.append(Replacement(f"{_qualified(cls)}.forward", _qualified(current),
+                                           _qualified(trainer.forward)))
+    report.fused_head = True
+
+
 def _install(package: str, root: str, targets: list[_Target]) -> PatchReport:
     report = PatchReport(f"patch_{package}")
     pairs = _upstream_objects(package, targets)
@@ -378,7 +505,8 @@ def _install(package: str, root: str, targets: list[_Target]) -> PatchReport:
     installed = _INSTALLED.setdefault(package, [])
     for module, attribute, _, ours in installed:
         if getattr(module, attribute, None) is ours:
-            report.already.append(f"{module.__name__}.{attribute}")
+            report.already.append(f"{_holder_name(module)}.{attribute}")
+            report.fused_head |= ours in _FUSED_FORWARDS
     # Scanned again on every call: a module imported since the last one may hold an
     # upstream name of its own.
     for module, attribute in _aliases(root, originals):
@@ -393,7 +521,7 @@ def _install(package: str, root: str, targets: list[_Target]) -> PatchReport:
 def _uninstall(package: str) -> PatchReport:
     report = PatchReport(f"unpatch_{package}")
     for module, attribute, original, ours in reversed(_INSTALLED.pop(package, [])):
-        name = f"{module.__name__}.{attribute}"
+        name = f"{_holder_name(module)}.{attribute}"
         current = getattr(module, attribute, None)
         if current is ours:
             setattr(module, attribute, original)
@@ -405,7 +533,7 @@ def _uninstall(package: str) -> PatchReport:
     return report
 
 
-def patch_speculators() -> PatchReport:
+def patch_speculators(*, fused_head: bool = False) -> PatchReport:
     """Install ours in ``speculators`` (``speculators.models.dflash2``), at every name that
     holds its ``grouped_dynamic_conv``, ``GroupedDynamicCausalConv`` or
     ``CandidateSelector``: ``model_definitions`` (where they are defined, and where
@@ -418,8 +546,18 @@ def patch_speculators() -> PatchReport:
     ``already``) and picks up upstream modules imported since. ImportError when
     speculators is not installed; AttributeError, before anything changes, when its
     layout is not the one this package knows.
+
+    ``fused_head=True`` also replaces ``DFlash2DraftModel.forward`` (the class's, so
+    every draft model, built before or after, trains with it) by one that computes its
+    losses, candidates and metrics with :func:`dflash2_kernels.draft_head`, never
+    holding [N, V] logits; the report says ``fused head: on``. ``fused_head=False``
+    installs no forward and removes none (:func:`unpatch_speculators` does).
     """
-    return _install(_SPECULATORS, "speculators", _speculators_targets())
+    _check_flag(fused_head)
+    report = _install(_SPECULATORS, "speculators", _speculators_targets())
+    if fused_head:
+        _install_fused_forward(_SPECULATORS, "DFlash2DraftModel", report)
+    return report
 
 
 def unpatch_speculators() -> PatchReport:
@@ -429,7 +567,7 @@ def unpatch_speculators() -> PatchReport:
     return _uninstall(_SPECULATORS)
 
 
-def patch_nemo() -> PatchReport:
+def patch_nemo(*, fused_head: bool = False) -> PatchReport:
     """Install ours in NeMo Automodel, at every name that holds ``draft_qwen3_dflash2``'s
     ``_grouped_dynamic_convolve``, ``GroupedDynamicCausalConv``, ``CandidateSelector`` or
     ``dflash2_rejection_sample``: that module (where NeMo's conv, decoder layer, draft
@@ -441,8 +579,17 @@ def patch_nemo() -> PatchReport:
     resets every instance of the module-level classes, now ours); ``spec_generate``
     runs our walk and rejection sampling; NeMo modules that already exist call our
     ``_grouped_dynamic_convolve``. Idempotent, and errors, as :func:`patch_speculators`.
+
+    ``fused_head=True`` also replaces ``DFlash2TrainerModule.forward`` by one that
+    computes the CE, the selector's candidates and every ``DFlash2StepMetrics`` field
+    with :func:`dflash2_kernels.draft_head` (vocab-parallel when the target's lm_head
+    is sharded by tensor parallelism), never holding [B, S, V] logits.
     """
-    return _install(_NEMO, "nemo_automodel", _nemo_targets())
+    _check_flag(fused_head)
+    report = _install(_NEMO, "nemo_automodel", _nemo_targets())
+    if fused_head:
+        _install_fused_forward(_NEMO, "DFlash2TrainerModule", report)
+    return report
 
 
 def unpatch_nemo() -> PatchReport:

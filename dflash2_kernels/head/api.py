@@ -10,6 +10,7 @@ import torch
 from .. import reference
 from .._backend import selected_backend, triton_importable
 from .._extension import has_kernel
+from . import vocab_parallel
 from .checks import check_head_args, loss_mask_of, loss_names
 from .gemm import compute_dtype
 
@@ -64,6 +65,9 @@ def draft_head(
     softcap: float | None = None,
     logits_dtype: torch.dtype | None = None,
     tile_mb: float | None = None,
+    vocab_start: int | None = None,
+    group=None,
+    vocab_size: int | None = None,
 ) -> DraftHeadOutput:
     """The draft head's per-row losses and candidates without [N, V] logits.
 
@@ -84,11 +88,39 @@ def draft_head(
     ``target_lse``, ``draft_argmax``, ``target_argmax``, ``target_logits_at_topk``,
     ``overlap``; target-side fields None without target_hidden, label fields None with
     neither labels nor target_hidden.
+
+    Vocab parallel (SPEC section 7; head/vocab_parallel.py): ``weight`` may be one rank's
+    rows of the lm_head, either a DTensor ``Shard(0)`` on one mesh dim (Replicate on any
+    other; uneven shards as torch.chunk makes them) or a plain [V_local, H] tensor with
+    ``vocab_start`` (int, the global id of its first row) and ``group`` (the
+    ProcessGroup of the shards); ``target_weight`` sharded the same way. The ranks' shards
+    must tile [0, V) (``vocab_size``, if given, must equal V); ``hidden``,
+    ``target_hidden``, ``labels`` (global ids) are replicated (plain tensors, or
+    Replicate DTensors); ``top_k`` in [0, V] (a shard may hold fewer than top_k rows).
+    Each rank reduces its own [R, V_local] tiles and the ranks merge per-row
+    statistics: all_reduce MAX and SUM of [2, R] (row max, sum-exp -> global lse),
+    all_gather of each rank's local top-k and target argmax ([W, 2, R, K + 1] float64),
+    all_reduce SUM of [R, L + 2 + 2K] (loss shares, sum min(p, q), logits at the merged
+    ids and the label); the backward adds all_reduce SUMs of [R] (per chunk) and of
+    [N, H] (hidden's gradient). The result is the same DraftHeadOutput (same fields,
+    dtypes, shapes), plain tensors equal on every rank; hidden's gradient is one
+    process's on every rank, weight's each rank's own rows of one process's dW. Every
+    rank must make the same call and run the same backward.
     """
     loss_mask = loss_mask_of(losses)
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not softcap > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}.")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
+        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}.")
+    if vocab_parallel.wanted(weight, vocab_start, group):
+        return vocab_parallel.draft_head(
+            hidden, weight, target_hidden=target_hidden, target_weight=target_weight, labels=labels,
+            loss_mask=loss_mask, top_k=top_k, logit_scale=logit_scale, softcap=softcap, logits_dtype=logits_dtype,
+            tile_mb=tile_mb, vocab_start=vocab_start, group=group, vocab_size=vocab_size)
+    if vocab_size is not None and isinstance(weight, torch.Tensor) and vocab_size != weight.shape[0]:
+        raise ValueError(f"vocab_size = {vocab_size} but weight holds {weight.shape[0]} rows (a vocab-parallel "
+                         f"shard needs vocab_start= and group=, or a Shard(0) DTensor weight).")
     if logits_dtype is None and isinstance(hidden, torch.Tensor):
         logits_dtype = hidden.dtype
     check_head_args(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale,
