@@ -3,7 +3,8 @@ Automodel serving step, before and after ``dk.patch`` of the same model.
 
     python benchmarks/bench_step.py [--out results.jsonl] [--no-compile] [--quick]
                                     [--full] [--layers N]
-                                    [--head [--budget-mib M] [--vocab V ...]]
+                                    [--head [--budget-mib M] [--vocab V ...]
+                                            [--trainers speculators nemo]]
 
     --full       on CPU, the real shapes below (fp32 there: tens of GB, slow)
     --layers N   draft layers (default 2)
@@ -13,6 +14,7 @@ Automodel serving step, before and after ``dk.patch`` of the same model.
     --head       the training step with the fused head instead (see "head" below)
     --budget-mib the memory budget of --head's anchor search (default 4096)
     --vocab      --head's vocabularies (default 151936 248320)
+    --trainers   --head's training steps (default: speculators nemo)
 
 What runs (one model per step, switched between the two sides in place by
 ``dk.patch(model)`` / ``dk.unpatch(model)``, which keep the very Parameters and so the
@@ -35,12 +37,16 @@ optimizer; the sides' steps are timed in turns, then their memory measured):
   (``.item()`` per request, as spec_generate does). Ours: the patched walk, then
   ``dk.greedy_verify`` / ``dk.rejection_sample`` on the whole batch.
 
-- head (``--head``): the training step at the real vocabularies (V 151,936, Qwen3's, and
+- head (``--head``): the training steps at the real vocabularies (V 151,936, Qwen3's, and
   248,320, Qwen3.8's), three ways: upstream, ``ours`` (``dk.patch(model)``: conv and
   selector) and ``ours+head`` (``dk.patch(model, fused_head=True)``: the losses,
-  candidates and metrics from dk.draft_head, no [A * L, V] tensor). Each row also gives
-  the largest number of anchors (``max_anchors``, doubling from 16) whose step stays
-  within the memory budget: the number of anchors a user can raise their run to.
+  candidates and metrics from dk.draft_head, no [rows, V] tensor). speculators: the
+  train step above. NeMo: ``DFlash2TrainerModule.forward`` (its block CE with decay
+  gamma 4 + selector CE; the draft of the serving step below, a frozen bias-free target
+  head and embeddings), backward, AdamW, one sequence of T tokens with A anchors
+  (``num_anchors``; A * (L - 1) predicted rows, logits for A * L). Each row also gives
+  the largest number of anchors (doubling from 16) whose step stays within the memory
+  budget: the number of anchors a user can raise their run to.
 
 Time: median (p20, p80) ms per step after 2 warm-up steps per side, the two sides'
 steps taking turns so that a load change on a shared machine hits both alike (CUDA:
@@ -122,6 +128,7 @@ def _own_options() -> argparse.Namespace:
     parser.add_argument("--head", action="store_true")
     parser.add_argument("--budget-mib", type=float, default=4096.0)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151_936, 248_320])
+    parser.add_argument("--trainers", nargs="+", choices=sorted(TRAINERS), default=["speculators", "nemo"])
     own, rest = parser.parse_known_args()
     sys.argv = sys.argv[:1] + rest
     return own
@@ -220,6 +227,51 @@ def train_step_fn(model, size: Size, device: torch.device, dtype: torch.dtype, c
         torch.manual_seed(0)  # the same anchors every step, on both sides
         # The fused head is an instance-level forward (dk.patch(model, fused_head=True)).
         _, loss, _ = vars(model).get("forward", forward)(**batch, **kwargs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+# --- training: NeMo -----------------------------------------------------------------------
+
+
+def nemo_trainer_model(size: Size, device: torch.device, dtype: torch.dtype):
+    """NeMo's DFlash2TrainerModule around a draft of ``size``, with a frozen, bias-free
+    target head and embeddings of the same vocabulary (as its recipe freezes the target)."""
+    from nemo_automodel.components.speculative.dflash.dflash2_core import DFlash2TrainerModule
+
+    draft = nemo_draft(size, device, dtype).train()
+    torch.manual_seed(1)
+    with torch.device(device):
+        head = nn.Linear(size.hidden, size.vocab, bias=False)
+        embed = nn.Embedding(size.vocab, size.hidden)
+    with torch.no_grad():
+        head.weight.normal_(std=size.hidden ** -0.5)
+    return DFlash2TrainerModule(draft_model=draft, target_lm_head=head.to(dtype).requires_grad_(False),
+                                target_embed_tokens=embed.to(dtype).requires_grad_(False),
+                                mask_token_id=size.vocab - 1, block_size=size.block, attention_backend="sdpa",
+                                num_anchors=size.anchors, loss_decay_gamma=4.0, selector_loss_weight=1.0)
+
+
+def nemo_train_step_fn(trainer, size: Size, device: torch.device, dtype: torch.dtype, compiled: bool):
+    """One NeMo training step with ``size.anchors`` anchors (``compiled``: unused, NeMo's
+    trainer compiles nothing itself)."""
+    trainer.num_anchors = size.anchors
+    generator = torch.Generator().manual_seed(0)
+    loss_mask = torch.ones(1, size.tokens)
+    loss_mask[:, : size.block] = 0
+    batch = dict(input_ids=torch.randint(0, size.vocab - 1, (1, size.tokens), generator=generator),
+                 hidden_states=torch.randn(1, size.tokens, size.aux_layers * size.hidden, generator=generator).to(dtype),
+                 loss_mask=loss_mask)
+    batch = {name: tensor.to(device) for name, tensor in batch.items()}
+    optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-5)
+
+    def step():
+        torch.manual_seed(0)  # the same anchors every step, on every side
+        loss = trainer(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -375,7 +427,11 @@ def _head_states(model) -> dict[str, Callable[[], object]]:
 ANCHOR_SEARCH_LIMIT = 512
 
 
-def max_anchors_within(model, size: Size, device, dtype, compiled: bool, budget_bytes: float,
+# trainer -> (model builder, step builder): what --head times.
+TRAINERS = {"speculators": (speculators_model, train_step_fn), "nemo": (nemo_trainer_model, nemo_train_step_fn)}
+
+
+def max_anchors_within(model, step_fn, size: Size, device, dtype, compiled: bool, budget_bytes: float,
                        start: int = 16, stop: int = ANCHOR_SEARCH_LIMIT) -> int | None:
     """The largest anchor count, doubling from ``start`` up to ``stop``, whose step's peak
     memory stays within the budget (None: not even ``start``). Stops at the first that
@@ -383,7 +439,7 @@ def max_anchors_within(model, size: Size, device, dtype, compiled: bool, budget_
     best = None
     anchors = start
     while anchors <= stop:
-        step = train_step_fn(model, replace(size, anchors=anchors), device, dtype, compiled)
+        step = step_fn(model, replace(size, anchors=anchors), device, dtype, compiled)
         peak = settled_peak_bytes(step, device)
         print(f"#     {anchors:5d} anchors: {peak / 2**20:9.1f} MiB", flush=True)
         if peak is None or peak > budget_bytes:
@@ -393,26 +449,27 @@ def max_anchors_within(model, size: Size, device, dtype, compiled: bool, budget_
     return best
 
 
-def head_sides(size: Size, vocabs: list[int], device, dtype, compiled: bool, reps: int,
+def head_sides(size: Size, trainers: list[str], vocabs: list[int], device, dtype, compiled: bool, reps: int,
                budget_bytes: float, copy_gbps: float) -> list[Row]:
     rows = []
-    for vocab in vocabs:
+    for trainer, vocab in ((trainer, vocab) for trainer in trainers for vocab in vocabs):
+        build_model, step_fn = TRAINERS[trainer]
         vsize = replace(size, vocab=vocab)
-        model = speculators_model(vsize, device, dtype)
-        case = f"train V{vocab} A{vsize.anchors}"
+        model = build_model(vsize, device, dtype)
+        case = f"train {trainer} V{vocab} A{vsize.anchors}"
         states = _head_states(model)
         sides = []
         for impl, restore in states.items():
             restore()
-            sides.append(Side(case, impl, train_step_fn(model, vsize, device, dtype, compiled), restore))
+            sides.append(Side(case, impl, step_fn(model, vsize, device, dtype, compiled), restore))
         time_interleaved(sides, device, reps, budget_s=600.0)
         if device.type == "cpu":
             steady_heap()
         for side in sides:
             side.restore()
             side.peak = settled_peak_bytes(side.fn, device)
-            anchors = max_anchors_within(model, vsize, device, dtype, compiled, budget_bytes)
-            rows.append(Row("step", side.case, side.impl, side.timing, 0, copy_gbps,
+            anchors = max_anchors_within(model, step_fn, vsize, device, dtype, compiled, budget_bytes)
+            rows.append(Row("step_head", side.case, side.impl, side.timing, 0, copy_gbps,
                             {"peak_extra_mib": None if side.peak is None else side.peak / 2**20,
                              "max_anchors_within_budget": anchors, "budget_mib": budget_bytes / 2**20,
                              "anchor_search_limit": ANCHOR_SEARCH_LIMIT,
@@ -435,8 +492,8 @@ def main() -> None:
           f"({size.anchors * size.block} rows){', speculators forward compiled' if compiled else ''}; "
           f"serve: B {size.requests}, C {size.context}")
     if own.head:
-        print(f"# --head: V {own.vocab}, anchor search within {own.budget_mib:.0f} MiB")
-        rows = head_sides(size, own.vocab, device, dtype, compiled, 3 if device.type == "cpu" else reps,
+        print(f"# --head: {', '.join(own.trainers)} at V {own.vocab}, anchor search within {own.budget_mib:.0f} MiB")
+        rows = head_sides(size, own.trainers, own.vocab, device, dtype, compiled, 3 if device.type == "cpu" else reps,
                           own.budget_mib * 2**20, run.copy_gbps)
         print_step_table(rows)
         write_records(rows, run.env, args.out)

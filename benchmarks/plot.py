@@ -51,6 +51,7 @@ SCRIPTS = {
     "rejection": "bench_serving.py --out bench_results/serving.jsonl",
     "greedy_verify": "bench_serving.py --out bench_results/serving.jsonl",
     "step": "bench_step.py --out bench_results/step.jsonl",
+    "step_head": "bench_step.py --head --out bench_results/step_head.jsonl",
     "head": "bench_head.py --out bench_results/head.jsonl",  # the fused draft head's benchmark (SPEC section 7)
 }
 # Which table column each benchmark's implementation names fill.

@@ -155,8 +155,9 @@ def _speculators_worker(rank: int, out_dir: str, setup: dict) -> None:
 
     param_dtype = setup["param_dtype"]
     model = um.speculators_draft(0)
-    report = dk.patch(model)
-    assert len(report.replaced) == PATCHED_MODULES, str(report)
+    fused_head = setup.get("fused_head", False)
+    report = dk.patch(model, fused_head=fused_head)
+    assert len(report.replaced) == PATCHED_MODULES + int(fused_head) and report.fused_head == fused_head, str(report)
     if setup.get("checkpoint") == "hf":
         model.gradient_checkpointing_enable()  # speculators' --gradient-checkpointing
     elif setup.get("checkpoint") == "save_ours":
@@ -445,6 +446,18 @@ def test_speculators_fsdp_shard_with_bf16_autocast_two_adamw_steps(tmp_path):
     _speculators_judge(ranks, mixed=True, label="fsdp bf16")
     assert _counts(ranks, "forward") == [FORWARD] * 2
     assert _counts(ranks, "backward") == [BACKWARD] * 2
+
+
+def test_speculators_fsdp_shard_with_the_fused_head(tmp_path):
+    """``--fsdp-shard``'s bf16 setting with ``dk.patch(model, fused_head=True)`` before
+    sharding (FSDP2 then subclasses the model; the instance-level forward stays): the
+    head's losses and gradients through FSDP2's gathered lm_head, against one process."""
+    pytest.importorskip("speculators.train.distributed")
+    run_ranks(_speculators_worker, tmp_path, dict(param_dtype=BF16, autocast=True, steps=1, fused_head=True))
+    ranks = load_rank_results(tmp_path)
+    _speculators_judge(ranks, mixed=True, label="fsdp bf16 fused head")
+    assert _counts(ranks, "forward") == [{**FORWARD, "draft_head": 1}]
+    assert _counts(ranks, "backward") == [{**BACKWARD, "draft_head_backward": 1}]
 
 
 @pytest.mark.parametrize("policy", ["hf_whole_layers", "save_our_ops"])

@@ -316,3 +316,34 @@ def test_fused_head_names_what_it_cannot_do():
     kwargs["loss_config"] = {"mine": (lambda logits, targets: logits.sum(-1), 1.0)}
     with pytest.raises(ValueError, match=r"loss_config\['mine'\]"):
         model(**kwargs)
+
+
+# --- on a GPU (tests_gpu in scripts/gpu_check.sh) ----------------------------------------
+
+
+@pytest.mark.gpu
+def test_nemo_step_with_the_fused_head_on_cuda_is_within_contract():
+    # NeMo's trainer compiles nothing (speculators compiles its forward whenever CUDA is
+    # up), so its step shows the head's CUDA path (cuBLAS, the Triton row kernel) alone.
+    upstream, ours, exact = _nemo_three(3)
+    upstream.cuda()
+    ours.cuda()
+    for trainer in (upstream, ours):
+        trainer.lm_head.cuda()
+        trainer.embed_tokens.cuda()
+    batch = um.nemo_batch(3)
+    on_gpu = um.NemoBatch(*(t.cuda() for t in (batch.input_ids, batch.hidden_states, batch.loss_mask)))
+    expected = um.nemo_loss(upstream, on_gpu)
+    expected.loss.backward()
+    with um.count_dflash2_ops() as ran:
+        got = um.nemo_loss(ours, on_gpu)
+        got.loss.backward()
+    judge = um.nemo_loss(exact, batch.to(torch.float64))
+    judge.loss.backward()
+    assert ran.counts["draft_head"] == 1, ran.counts
+    for field in dataclasses.fields(got):
+        _assert_same_value(field.name, getattr(got, field.name).cpu(), getattr(expected, field.name).cpu(),
+                           getattr(judge, field.name))
+    grads, expected_grads, judge_grads = _grads(ours), _grads(upstream), _grads(exact)
+    for name, grad in grads.items():
+        assert_within_contract(name, grad.cpu(), expected_grads[name].cpu(), judge_grads[name])

@@ -243,16 +243,22 @@ def _instance_forward(module: nn.Module):
     return getattr(forward, "__func__", forward)
 
 
-def _why_not_fused(module: nn.Module, trainer: _Trainer) -> str | None:
+def _trainer_class(module: nn.Module) -> type | None:
+    """The upstream trainer class ``module`` is an instance of, by name through its MRO (so
+    FSDP2's ``FSDPDFlash2DraftModel`` and subclasses are found too), or None."""
+    return next((cls for cls in type(module).__mro__ if cls.__name__ in _TRAINERS), None)
+
+
+def _why_not_fused(module: nn.Module, cls: type) -> str | None:
     """Why ``module``'s training forward cannot be replaced by ours, or None if it can."""
-    missing = [name for name in trainer.attributes if not hasattr(module, name)]
+    missing = [name for name in _TRAINERS[cls.__name__].attributes if not hasattr(module, name)]
     if missing:
         return f"has no {', '.join(missing)}: not the upstream layout fused_head was written against"
     if "forward" in vars(module):
         return "has an instance-level forward already (not ours): left to it"
-    forward = type(module).forward
-    if forward not in _FUSED_FORWARDS and getattr(forward, "__qualname__", "") != f"{type(module).__name__}.forward":
-        return f"its forward is {_qualified(forward)}, not the class's own: a subclass's override would be lost"
+    if type(module).forward is not cls.forward:
+        return (f"its forward is {_qualified(type(module).forward)}, not {cls.__name__}'s: a subclass's override "
+                "would be lost")
     return None
 
 
@@ -261,16 +267,17 @@ def _fuse_heads(model: nn.Module, report: PatchReport) -> None:
     forward, as an instance attribute."""
     found = False
     for name, module in model.named_modules():
-        trainer = _TRAINERS.get(type(module).__name__)
-        if trainer is None:
+        cls = _trainer_class(module)
+        if cls is None:
             continue
         found = True
+        trainer = _TRAINERS[cls.__name__]
         label = f"{name or '<the model itself>'}.forward"
-        if _instance_forward(module) is trainer.forward:
-            report.already.append(label)
+        if trainer.forward in (_instance_forward(module), type(module).forward):
+            report.already.append(label)  # by an earlier patch, or the package's (class-level)
             report.fused_head = True
             continue
-        reason = _why_not_fused(module, trainer)
+        reason = _why_not_fused(module, cls)
         if reason is not None:
             report.skipped.append(Skipped(label, _qualified(type(module)), reason))
             continue
