@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # then recompiles only what the edit affects).
 EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env bench bench-selector test test-asan check-cpu fuzz cuda-check clean
+.PHONY: env bench bench-selector test test-asan test-oldest-torch check-cpu fuzz cuda-check clean
 
 env: $(VENV)/.built
 
@@ -32,12 +32,19 @@ bench-selector: env
 
 # The suite against the installed build, then again against the sanitized build, which
 # adds the CUDA kernels run on the CPU's SIMT emulator (scripts/asan.py), then the
-# numerics and fuzz tests under the CPU dispatch paths other machines take
-# (scripts/host_variants.py --quick: the ones this CPU can reach, a few cases each).
+# contract-judged and fuzz tests under the CPU dispatch paths other machines take
+# (scripts/host_variants.py --quick: the ones this CPU can reach, a few cases each), then
+# the op tests against the oldest torch pyproject.toml admits (scripts/oldest_torch.py: its
+# download starts first and overlaps the rest; OLDEST_TORCH=skip skips it, saying so).
 test: env
+	$(PY) scripts/oldest_torch.py prepare --background
 	$(PY) -m pytest
 	$(PY) scripts/asan.py test
 	$(PY) scripts/host_variants.py --quick
+	$(PY) scripts/oldest_torch.py test
+
+test-oldest-torch: $(VENV)/.ready
+	$(PY) scripts/oldest_torch.py test
 
 # A user's check of their own CPU: the numerics and fuzz tests as this machine runs
 # them, then under the other dispatch paths it can take.
@@ -69,4 +76,4 @@ cuda-check:
 	cmake -S . -B build/cmake -DCMAKE_CUDA_COMPILER=$$(command -v nvcc) && cmake --build build/cmake -j 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench_results dflash2_kernels/*.so
+	rm -rf $(VENV) .venv-oldest build *.egg-info bench_results dflash2_kernels/*.so

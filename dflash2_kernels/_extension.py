@@ -38,11 +38,17 @@ except ImportError as error:  # not built: pure-Python fallbacks take over
 
 
 # Registration does not change while a graph is traced: torch.compile takes the answer
-# as a constant instead of tracing the (untraceable) dispatcher query.
+# as a constant instead of tracing the (untraceable) dispatcher query. Torch 2.5's dynamo
+# stores that constant in the compiled caller's module under the function's own name,
+# overwriting a global of that name there (a caller's imported ``has_kernel``): the
+# function is named so that no caller has such a global.
 @torch.compiler.assume_constant_result
-def has_kernel(op_name: str, device_type: str) -> bool:
+def _dflash2_op_has_kernel(op_name: str, device_type: str) -> bool:
     """Whether ``torch.ops.dflash2.<op_name>`` has a kernel for ``device_type``."""
     if not EXTENSION_LOADED:
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash2::{op_name}", key)
+
+
+has_kernel = _dflash2_op_has_kernel

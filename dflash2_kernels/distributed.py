@@ -53,6 +53,8 @@ import math
 
 import torch
 
+from .head.checks import loss_count
+
 __all__ = ["AVAILABLE", "NO_RULE", "RULES", "DTensorPlacementError", "like_rows", "refuse_dtensors"]
 
 
@@ -286,7 +288,7 @@ def _register_all() -> None:
                               "goes to dk.draft_head, which runs it vocab-parallel; the op takes it whole)",
                           weight=weight, target_weight=target_weight)
             present = [spec for spec in (hidden, weight, target_hidden, target_weight, labels) if spec is not None]
-            planes = hidden_grad_planes and bin(loss_mask).count("1") > 0
+            planes = hidden_grad_planes and loss_count(loss_mask) > 0
             replicated = ([R] * 14, [R] * len(present))
             if not _rows_sharded(op, hidden=hidden, target_hidden=target_hidden, labels=labels):
                 return _pad([replicated], 7)

@@ -91,7 +91,10 @@ def _fsdp_api() -> tuple:
     is not built; imported on first use, not with the package."""
     global _FSDP
     if not _FSDP and torch.distributed.is_available():
-        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+        try:
+            from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+        except ImportError:  # torch < 2.6: FSDP2 lived in the composable API
+            from torch.distributed._composable.fsdp import FSDPModule, register_fsdp_forward_method
         from torch.distributed.tensor import DTensor
 
         _FSDP = (DTensor, FSDPModule, register_fsdp_forward_method)

@@ -11,8 +11,13 @@ import os
 import pytest
 import torch
 
+from .triton_interpreter import FAULT as INTERPRETER_FAULT
+
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if INTERPRETER_FAULT:  # tests/triton_interpreter.py: its tests skip, saying why
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The C++ ops fill every tensor they allocate with NaN (integers: their lowest value)
 # before their kernels run: an element a kernel leaves unwritten fails the checks.
@@ -24,6 +29,12 @@ from . import host_blas  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "compiles: runs torch.compile (no stand-in BLAS there: tests/host_blas.py)")
+
+
+def pytest_report_header(config):
+    if INTERPRETER_FAULT and not torch.cuda.is_available():
+        return f"Triton kernels not run: {INTERPRETER_FAULT}"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,6 +16,8 @@ import torch
 
 from dflash2_kernels import reference
 
+from .contract import assert_same_within_floor
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -234,8 +236,7 @@ def assert_sampled_walk_follows_its_edges(path, candidates, draft_probs, edges, 
         for t in range(draft):
             where = f"b={b} t={t}"
             q = draft_probs[b, t]
-            torch.testing.assert_close(q, torch.softmax(edges[b, t, row].float() / temperature, -1), rtol=1e-5,
-                                       atol=1e-6)
+            assert_same_within_floor(f"{where} q", q, torch.softmax(edges[b, t, row].float() / temperature, -1))
             chosen = (candidates[b, t] == path[b, t]).nonzero()
             assert chosen.numel() == 1, f"{where}: the path left the candidates"
             row = chosen.item()

@@ -20,6 +20,7 @@ from .conv_cases import (
     exact_conv_with_grads,
     make_inputs,
 )
+from .triton_interpreter import SKIP_REASON as INTERPRETER_SKIP_REASON
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -42,7 +43,7 @@ PATHS = [
         "triton",
         id="triton",
         marks=pytest.mark.skipif(
-            not HAS_CUDA and not KERNELS_INTERPRETED, reason="needs CUDA or TRITON_INTERPRET=1"
+            not HAS_CUDA and not KERNELS_INTERPRETED, reason=INTERPRETER_SKIP_REASON
         ),
     ),
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,9 @@ import dflash2_kernels as dk
 from dflash2_kernels.conv import ops
 from dflash2_kernels.conv.launch import KERNELS_INTERPRETED
 from dflash2_kernels.conv.ops import grouped_dynamic_conv_backward_op, grouped_dynamic_conv_op
+
+from .contract import assert_within_contract
+from .triton_interpreter import SKIP_REASON as INTERPRETER_SKIP_REASON
 
 HAS_CUDA = torch.cuda.is_available()
 BACKENDS = [
@@ -18,7 +23,7 @@ BACKENDS = [
         "triton",
         "cuda" if HAS_CUDA else "cpu",
         id="triton",
-        marks=pytest.mark.skipif(not HAS_CUDA and not KERNELS_INTERPRETED, reason="needs CUDA or the interpreter"),
+        marks=pytest.mark.skipif(not HAS_CUDA and not KERNELS_INTERPRETED, reason=INTERPRETER_SKIP_REASON),
     ),
 ]
 
@@ -78,20 +83,22 @@ def test_fullgraph_compile_forward_and_backward(compile_backend):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _ConvBlock(32)
-    h = torch.randn(2, 16, 32, requires_grad=True)
-    expected = model(h)
-    expected.square().sum().backward()
-    expected_grads = [p.grad.clone() for p in model.parameters()] + [h.grad.clone()]
-    model.zero_grad()
-    h.grad = None
+    h = torch.randn(2, 16, 32)
 
-    compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
-    got = compiled(h)
-    got.square().sum().backward()
-    # Inductor fuses the surrounding Linear/GELU differently from eager: fp32 rounding.
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    for a, b in zip([p.grad for p in model.parameters()] + [h.grad], expected_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    def run(module, inputs):
+        inputs = inputs.detach().requires_grad_()
+        out = module(inputs)
+        out.square().sum().backward()
+        return [out.detach()] + [p.grad for p in module.parameters()] + [inputs.grad]
+
+    exact = run(copy.deepcopy(model).double(), h.double())
+    expected = run(copy.deepcopy(model), h)
+    got = run(torch.compile(model, fullgraph=True, backend=compile_backend), h)
+    # Inductor fuses the surrounding Linear/GELU differently from eager (its own erf, other
+    # sums): judged as SPEC section 4 judges a kernel, eager fp32 being the reference.
+    names = ["out"] + [f"grad {name}" for name, _ in model.named_parameters()] + ["grad h"]
+    for name, a, b, c in zip(names, got, expected, exact):
+        assert_within_contract(name, a, b, c)
 
 
 def _public_conv_with_grads(x, delta, base, block_size, group_size, dy):

@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_map
 import dflash2_kernels as dk
 
 from . import upstream_models as um
-from .contract import assert_within_contract
+from .contract import assert_same_within_floor, assert_within_contract
 from .distributed_support import (
     RANK_TIMEOUT_S,
     WORLD,
@@ -402,7 +402,7 @@ def _assert_adamw_steps(ranks: list[dict]) -> None:
         optimizer.step()
         for name, value in params[step + 1].items():
             want = trainable[name].detach() if name in trainable else params[0][name]
-            torch.testing.assert_close(value, want, msg=lambda m, name=name: f"after step {step}, {name}: {m}")
+            assert_same_within_floor(f"after step {step}, {name}", value, want)
 
 
 def _speculators_judge(ranks: list[dict], *, mixed: bool, label: str) -> None:
@@ -526,7 +526,7 @@ def test_speculators_selector_sharded_on_its_own(tmp_path):
         # The candidates are the given logits' top-k: exactly. The scores go through the
         # projection's matmul, which a BLAS may round by an ulp otherwise in another process.
         assert torch.equal(rank["select"][0], ids)
-        torch.testing.assert_close(rank["select"][1], scores, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-6)
+        assert_same_within_floor("select's scores", rank["select"][1], scores)
 
 
 # --- NeMo: DDP, activation checkpointing, a sharded selector -----------------------------------
@@ -594,7 +594,7 @@ def test_nemo_selector_sharded_on_its_own_and_under_a_sharded_draft(tmp_path):
                 if a is None or not a.is_floating_point():
                     assert (a is None and b is None) or torch.equal(a, b)
                 else:  # the projection's matmul: an ulp of BLAS rounding at most
-                    torch.testing.assert_close(a, b, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-6)
+                    assert_same_within_floor("walk's probabilities", a, b)
         message = rank.get("unsharded_walk_error", "")
         assert re.search(r"CandidateSelector: hidden is a plain tensor but the module's parameters are DTensors"
                          r".*register_fsdp_forward_method\(<that module>, '<method>'\)", message, re.S), \

@@ -28,6 +28,7 @@ import dflash2_kernels as dk
 from dflash2_kernels import distributed as dist_rules
 from dflash2_kernels._extension import EXTENSION_LOADED
 
+from .contract import assert_same_within_floor, assert_within_contract
 from .distributed_support import WORLD, load_rank_results, requires_gloo, run_ranks, save_rank_result
 
 pytestmark = [
@@ -39,8 +40,8 @@ pytestmark = [
 TIMEOUT_S = 180
 SEED = 1234
 # fp32 everywhere: the DTensor side sums a parameter's gradient per rank, then across
-# ranks (Partial -> full_tensor), one process sums it at once.
-RTOL, ATOL = 1e-5, 1e-6
+# ranks (Partial -> full_tensor), one process sums it at once: the two agree within SPEC
+# section 4's floor (tests/contract.py's assert_same_within_floor).
 
 # --- inputs ---------------------------------------------------------------------------------
 #
@@ -306,6 +307,18 @@ def _plain(role, tensor, grad):
     return tensor.detach().clone().requires_grad_(grad)
 
 
+def _plain_float64(role, tensor, grad):
+    tensor = tensor.detach()
+    return (tensor.double() if tensor.is_floating_point() else tensor.clone()).requires_grad_(grad)
+
+
+# Layouts that run another algorithm than one process: the vocab-parallel head merges
+# per-row statistics across the ranks. Their results are judged by SPEC section 4 against
+# the float64 evaluation, one process's being the reference; the others must agree with
+# one process within the floor (the same kernels on other rows).
+OTHER_ALGORITHM = {("draft_head", "codebooks"), ("draft_head_weight_grad", "codebooks")}
+
+
 def _collect(outputs: dict, grads: dict) -> tuple[dict, dict]:
     """(full tensors, placements as strings) of the outputs and the leaves' gradients."""
     from torch.distributed.tensor import DTensor
@@ -334,6 +347,8 @@ def _run_cases(rank: int, mesh) -> dict:
                 record["error_type"] = [cls.__name__ for cls in type(error).__mro__]
                 record["error"] = f"{error}\n{traceback.format_exc()}"
             record["want"] = want
+            if (name, layout) in OTHER_ALGORITHM:
+                record["exact"] = _collect(*case(_plain_float64, 0))[0]
             results[(name, layout)] = record
     return results
 
@@ -360,7 +375,7 @@ REFUSED = [(name, layout) for name, (_, layouts) in CASES.items() for layout, er
            if error is not None]
 
 
-def _assert_same(got: dict, want: dict, where) -> None:
+def _assert_same(got: dict, want: dict, where, exact: dict | None = None) -> None:
     assert got.keys() == want.keys(), where
     for key, expected in want.items():
         value = got[key]
@@ -370,9 +385,10 @@ def _assert_same(got: dict, want: dict, where) -> None:
         assert value is not None, (where, key, "no value (a gradient that never arrived?)")
         assert value.dtype == expected.dtype and value.shape == expected.shape, (where, key, value.dtype,
                                                                                   value.shape, expected.shape)
-        if expected.is_floating_point():
-            torch.testing.assert_close(value, expected, rtol=RTOL, atol=ATOL, equal_nan=True,
-                                       msg=lambda m: f"{where} {key}: {m}")
+        if expected.is_floating_point() and exact is not None:
+            assert_within_contract(f"{where} {key}", value, expected, exact[key])
+        elif expected.is_floating_point():
+            assert_same_within_floor(f"{where} {key}", value, expected)
         else:
             assert torch.equal(value, expected), (where, key)
 
@@ -382,7 +398,7 @@ def test_dtensor_results_equal_one_process(ranks, name, layout):
     for rank, results in enumerate(ranks):
         record = results[(name, layout)]
         assert record["error"] is None, f"rank {rank}: {record['error']}"
-        _assert_same(record["values"], record["want"], (name, layout, rank))
+        _assert_same(record["values"], record["want"], (name, layout, rank), record.get("exact"))
 
 
 @pytest.mark.parametrize("name,layout", REFUSED, ids=[f"{n}-{layout}" for n, layout in REFUSED])

@@ -10,8 +10,9 @@ import torch
 import dflash2_kernels as dk
 from dflash2_kernels import reference
 
-from .contract import assert_within_contract
+from .contract import assert_within_contract, contract_floor
 from .head_cases import exact, make_inputs, objective, upstream_weights
+from .triton_interpreter import SKIP_REASON as INTERPRETER_SKIP_REASON
 
 ALL = ("kl_div", "rkl", "jsd", "tv", "ce")
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
@@ -85,9 +86,9 @@ def _check_case(case, hidden, weight, kwargs, ours, ref, ours_grads=None):
     count = ours.draft_lse.numel()
     ids = ours.topk_ids.reshape(count, top_k)
     # The top-k: the float64 logits at our ids must be a top-k of the float64 logits, to
-    # within the error the input dtype's reference makes on them.
+    # within SPEC section 4's bar on the logits (the input dtype's reference sets it).
     z_ref = reference.draft_head_logits(hidden.detach(), weight.detach(), scale, cap).reshape(-1, vocab)
-    tolerance = 2 * (z_ref.double() - z64).abs().max().item() + 1e-6 * (1 + z64.abs().max().item())
+    tolerance = 2 * (z_ref.double() - z64).abs().max().item() + contract_floor(logits_dtype, z64.abs().max().item())
     _assert_a_top_k(ids, z64.to(logits_dtype).double(), tolerance)
     assert_within_contract("topk_logits", ours.topk_logits.reshape(count, top_k), z_ref.to(logits_dtype).gather(-1, ids),
                            z64.gather(-1, ids))
@@ -200,11 +201,13 @@ def test_draft_head_nan_and_inf_rows():
     kwargs = dict(target_hidden=target, labels=labels, losses=ALL, top_k=4)
     ours = dk.draft_head(hidden, weight, **kwargs)
     ref = reference.draft_head(hidden, weight, **kwargs)
+    exact = reference.draft_head(hidden.double(), weight.double(), **{**kwargs, "target_hidden": target.double()})
     for name in ALL:
-        got, want = ours.losses[name], ref.losses[name]
-        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
-        finite = ~torch.isnan(want)
-        torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-5, msg=name)
+        got, want, true = ours.losses[name], ref.losses[name], exact.losses[name]
+        finite = torch.isfinite(true)
+        special, wanted = got.double()[~finite], true[~finite]
+        assert ((special == wanted) | (special.isnan() & wanted.isnan())).all(), (name, special, wanted)
+        assert_within_contract(name, got[finite], want[finite], true[finite])
     assert torch.isnan(ours.draft_lse[1]) and not torch.isnan(ours.draft_lse[0])
     assert torch.equal(ours.draft_argmax, ref.draft_argmax)  # NaN ranks first, as torch.argmax has it
 
@@ -268,7 +271,7 @@ def test_draft_head_triton_path_matches_float64(case, weight_grad, monkeypatch, 
     Triton row kernels, the ranking by unique int64 keys, the label pre-pass and the
     top-k and label logits' gradients added outside the kernel."""
     if not _interpreted():
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) on a machine without CUDA")
+        pytest.skip(INTERPRETER_SKIP_REASON)
     monkeypatch.setenv("DFLASH2_BACKEND", "triton")
     hidden, weight, kwargs, ours, ref, _ = _run(case, weight_grad=weight_grad)
     _check_case(case, hidden, weight, kwargs, ours, ref)

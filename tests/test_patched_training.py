@@ -26,6 +26,7 @@ import dflash2_kernels as dk
 from dflash2_kernels._extension import EXTENSION_LOADED
 
 from . import upstream_models as um
+from .contract import assert_same_within_floor, assert_within_contract
 from .distributed_support import WORLD, load_rank_results, requires_gloo, run_ranks, save_rank_result
 
 pytest.importorskip("transformers")
@@ -35,7 +36,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # attending to CONTEXT target positions.
 BATCH, QUERY, CONTEXT = 2, 16, 12
 LR = 0.1
-EPS32 = torch.finfo(torch.float32).eps
 
 
 # --- a patched layer + selector, its inputs and loss -------------------------------------
@@ -203,7 +203,8 @@ def test_compiled_training_step_is_one_graph_and_equals_eager(flavour):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager_model, compiled_model = patched_step_model(flavour), patched_step_model(flavour)
-    eager_step = make_train_step(eager_model)
+    exact_model = patched_step_model(flavour, dtype=torch.float64)
+    eager_step, exact_step = make_train_step(eager_model), make_train_step(exact_model)
     graphs: list[list[str]] = []
     backend = recording_backend(graphs, COMPILER)
     if WHOLE_STEP:
@@ -217,21 +218,20 @@ def test_compiled_training_step_is_one_graph_and_equals_eager(flavour):
             inputs = layer_inputs(seed=step)
             expected_loss, expected_grads = eager_step(*inputs)
             loss, grads = compiled_step(*inputs)
-            # aot_eager runs the same ATen kernels as eager; AOTAutograd may sum a
-            # parameter's gradient contributions in another order: one fp32 rounding
-            # per add, a handful of adds, so 8 eps of the gradient's scale (and of the
-            # loss). Inductor also fuses and re-tiles the reductions (RMSNorm, softmax,
-            # the losses) and their rounding propagates through the backward: the 1e-4
-            # of the scale that the project's other Inductor checks allow.
-            loss_rtol, grad_rtol = (8 * EPS32, 8 * EPS32) if COMPILER == "aot_eager" else (1e-5, 1e-4)
-            torch.testing.assert_close(loss, expected_loss, rtol=loss_rtol, atol=0)
-            for name, got, want in zip([n for n, _ in compiled_model.named_parameters()], grads, expected_grads):
+            exact_loss, exact_grads = exact_step(*layer_inputs(seed=step, dtype=torch.float64))
+            # aot_eager runs the same ATen kernels as eager, AOTAutograd may sum a
+            # parameter's gradient contributions in another order; Inductor also fuses and
+            # re-tiles the reductions (RMSNorm, softmax, the losses). Either way the compiled
+            # step is judged as SPEC section 4 judges a kernel: against the float64 step,
+            # the eager fp32 step setting the bar (the loss, a scalar: the floor, a few ulps).
+            assert_within_contract(f"step {step} loss", loss, expected_loss, exact_loss)
+            for name, got, want, true in zip([n for n, _ in compiled_model.named_parameters()], grads,
+                                             expected_grads, exact_grads):
                 assert want.abs().max() > 0, f"{name} got no gradient: the check would be vacuous"
-                torch.testing.assert_close(got, want, rtol=0, atol=grad_rtol * want.abs().max().item(),
-                                           msg=lambda m, name=name: f"step {step}, grad of {name}: {m}")
-    # The updates, LR * grad twice, inherit those bounds (LR * grad_rtol * |grad| < 1e-5).
-    for p, q in zip(compiled_model.parameters(), eager_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6 if COMPILER == "aot_eager" else 1e-5)
+                assert_within_contract(f"step {step}, grad of {name}", got, want, true)
+    # The parameters after two updates (LR * grad each), judged the same way.
+    for (name, p), q, r in zip(compiled_model.named_parameters(), eager_model.parameters(), exact_model.parameters()):
+        assert_within_contract(f"{name} after two steps", p.detach(), q.detach(), r.detach())
 
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -281,13 +281,8 @@ def test_ddp_gradients_equal_one_process_on_the_global_batch(tmp_path):
         # The loss is a mean over rows and the halves are equal, so the mean of the two
         # ranks' gradients is the global batch's gradient. Both fp32 runs approximate the
         # same float64 value, rounded in other orders (per-half sums, then the
-        # all-reduce): DDP's error may be at most twice the single process's own, plus a
-        # floor of 4 eps of the gradient's scale for where that one is nearly exact.
-        truth = exact[name]
-        single_error = (want.double() - truth).abs().max().item()
-        ddp_error = (ranks[0][name].double() - truth).abs().max().item()
-        floor = 4 * EPS32 * truth.abs().max().item()
-        assert ddp_error <= 2 * single_error + floor, (name, ddp_error, single_error, floor)
+        # all-reduce): SPEC section 4 with the single process as the reference.
+        assert_within_contract(name, ranks[0][name], want, exact[name])
         assert want.abs().max() > 0, f"{name} got no gradient: the check would be vacuous"
 
 
@@ -340,7 +335,7 @@ def test_serving_step_replays_from_a_cuda_graph_as_eager(flavour):
             if got.is_floating_point():
                 # Same kernels, inputs and uniforms; cuBLAS may pick another algorithm
                 # for the head inside a capture: an ulp or so.
-                torch.testing.assert_close(got, want, rtol=4 * EPS32, atol=1e-6)
+                assert_same_within_floor("replayed", got, want)
             else:  # ids, counts: exactly
                 assert torch.equal(got, want), (seed, got, want)
         greedy_path, accepted, bonus, path, candidates, probs, sampled_accepted, sampled_bonus = captured

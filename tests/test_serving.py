@@ -141,11 +141,17 @@ def test_sampled_walk_through_the_public_api_equals_the_reference(case, device):
     uniforms = torch.rand(case.batch, case.draft, generator=torch.Generator(device).manual_seed(11), device=device)
     expected_path, _, expected_probs = reference.serving_walk(*inputs, case.top_k, 0.7, uniforms)
     assert torch.equal(path, expected_path)
-    exact_edges, _ = reference.serving_edge_scores(*as_float64(*inputs), case.top_k)
+    assert_within_contract(case.id, draft_probs.cpu(), expected_probs.cpu(),
+                           _exact_proposal(inputs, candidates, path, case.top_k, 0.7))
+
+
+def _exact_proposal(inputs, candidates, path, top_k, temperature):
+    """softmax(E / T) in float64 along a sampled path: [B, D, k], the rows it read."""
+    exact_edges, _ = reference.serving_edge_scores(*as_float64(*inputs), top_k)
     choices = (candidates == path.unsqueeze(-1)).int().argmax(-1)  # [B, D]: where each step went
     rows = torch.cat([torch.zeros_like(choices[:, :1]), choices[:, :-1]], dim=1)  # the row each step read
-    exact_rows = exact_edges.gather(2, rows[..., None, None].expand(-1, -1, 1, case.top_k)).squeeze(2)
-    assert_within_contract(case.id, draft_probs.cpu(), expected_probs.cpu(), (exact_rows / 0.7).softmax(-1).cpu())
+    exact_rows = exact_edges.gather(2, rows[..., None, None].expand(-1, -1, 1, top_k)).squeeze(2)
+    return (exact_rows / temperature).softmax(-1).cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -480,7 +486,8 @@ def test_kernels_and_reference_draw_the_same_tokens(case, device, monkeypatch):
         results.append(dk.walk(*inputs, case.top_k, 0.7, generator=torch.Generator(device).manual_seed(3)))
     (path, candidates, probs), (ref_path, ref_candidates, ref_probs) = results
     assert torch.equal(candidates, ref_candidates) and torch.equal(path, ref_path)
-    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6)
+    assert_within_contract(case.id, probs.cpu(), ref_probs.cpu(), _exact_proposal(inputs, candidates, path,
+                                                                                   case.top_k, 0.7))
 
 
 WIDE_ON_CPU = [BlockCase(2, 3, 40, 8, 36), BlockCase(2, 3, 40, 8, 4, F64, F64), BlockCase(2, 3, 40, 8, 4, F32, F64)]
@@ -696,3 +703,24 @@ def test_wide_walk_and_verify_compile_fullgraph():
     path, (accepted, bonus) = compiled(projected, logits, anchors, target)
     assert torch.equal(path, serve(projected, logits, anchors, target)[0])
     assert accepted.shape == bonus.shape == (2,)
+
+
+@pytest.mark.parametrize("value", [0.7, 1 / 3, -2.5, 1e-5, 0.99e-5, 3.4028234663852886e38, 3.4028235677973366e38,
+                                   3.5e38, -1e39, 2.0 ** -126, 2.0 ** -149, 1.5 * 2.0 ** -149, 2.0 ** -150,
+                                   2.0 ** -150 * 1.0000001, 1e-50, 0.0, -0.0, float("inf")])
+def test_temperature_rounds_to_float32_as_the_kernels_take_it(value):
+    """as_float32 (traceable by every supported torch.compile) is IEEE round-to-nearest-even."""
+    import math
+    import struct
+
+    from dflash2_kernels.serving._checks import as_float32
+
+    if 0 < abs(value) < 2.0 ** -126 and struct.unpack("f", struct.pack("f", 2.0 ** -149))[0] == 0:
+        pytest.skip("this process flushes float32 subnormals to zero (a library set FTZ/DAZ): C's and IEEE's "
+                    "rounding of a subnormal temperature differ here")
+    try:
+        expected = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # struct refuses what float32 rounds to infinity
+        expected = math.copysign(math.inf, value)
+    got = as_float32(value)
+    assert got == expected and math.copysign(1.0, got) == math.copysign(1.0, expected), (value, got, expected)

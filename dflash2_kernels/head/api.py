@@ -11,7 +11,7 @@ from .. import reference
 from .._backend import selected_backend, triton_importable
 from .._extension import has_kernel
 from . import vocab_parallel
-from .checks import check_head_args, loss_mask_of, loss_names
+from .checks import check_head_args, loss_count, loss_mask_of, loss_names
 from .gemm import compute_dtype
 
 __all__ = ["DraftHeadOutput", "draft_head", "tile_rows_for"]
@@ -136,7 +136,7 @@ def draft_head(
     lead = hidden.shape[:-1]
     width = hidden.shape[-1]
     vocab = weight.shape[0]
-    losses_count = bin(loss_mask).count("1")
+    losses_count = loss_count(loss_mask)
     grad_on = torch.is_grad_enabled()
     # Keeping dL_l/dh costs one GEMM per loss in the forward; recomputing costs one per side
     # plus dS @ W in the backward, and the row passes again: keep them while that is no dearer.

@@ -41,6 +41,12 @@ def loss_names(loss_mask: int) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(LOSS_ORDER) if loss_mask >> i & 1)
 
 
+def loss_count(loss_mask: int) -> int:
+    """How many losses a mask names (a popcount that torch.compile traces on every
+    supported torch: dynamo 2.5 cannot trace the builtin ``bin``)."""
+    return len(loss_names(loss_mask))
+
+
 def _tensor(name: str, value, *, floats: bool = False) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")

@@ -23,7 +23,7 @@ import torch
 
 from .._extension import has_kernel
 from . import gemm
-from .checks import HEAD_FLOATS, IGNORE_INDEX, check_head_args, has_data
+from .checks import HEAD_FLOATS, IGNORE_INDEX, check_head_args, has_data, loss_count
 from .rows import logit_slope, rows_backward_cpu, rows_backward_triton, rows_forward_cpu, rows_forward_triton
 
 # Bytes of the W rows the backward gathers at once for the top-k logits' gradient.
@@ -31,7 +31,7 @@ SPARSE_BYTES = 32 << 20
 
 
 def _losses(loss_mask: int) -> int:
-    return bin(loss_mask).count("1")
+    return loss_count(loss_mask)
 
 
 def _check_op_args(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale, softcap,
@@ -342,7 +342,7 @@ def _backward(ctx, grad_losses, _ids, grad_topk, _labels, grad_label, *_rest):
     need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     rows = hidden.shape[0]
     zeros = hidden.new_zeros
-    grad_losses = zeros((bin(loss_mask).count("1"), rows), dtype=torch.float32) if grad_losses is None else grad_losses
+    grad_losses = zeros((loss_count(loss_mask), rows), dtype=torch.float32) if grad_losses is None else grad_losses
     grad_topk = zeros((rows, top_k), dtype=torch.float32) if grad_topk is None else grad_topk
     grad_label = zeros((rows,), dtype=torch.float32) if grad_label is None else grad_label
     grad_hidden, grad_weight = draft_head_backward_op(

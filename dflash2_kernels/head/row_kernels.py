@@ -105,7 +105,7 @@ def _transform_row(row_ptr, vocab, logit_scale, softcap, inv_softcap, E: tl.cons
     entry is NaN, +inf if one is +inf, -inf if all are -inf."""
     row_max = tl.full([], float("-inf"), tl.float64)
     row_sum = tl.zeros([], tl.float64)  # sum of exp(z - row_max)
-    nan_seen = tl.zeros([], tl.int1)
+    nan_seen = tl.zeros([], tl.int32)  # not int1: Triton 3.1's interpreter has no int1 scalars
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         in_row = offsets < vocab
@@ -120,7 +120,7 @@ def _transform_row(row_ptr, vocab, logit_scale, softcap, inv_softcap, E: tl.cons
         # under the interpreter): that is how NaN is detected.
         finite_max = tl.abs(tile_max) < float("inf")
         tile_sum = tl.sum(_exp(z - tl.where(finite_max, tile_max, 0.0), E), axis=0).to(tl.float64)
-        nan_seen = nan_seen | (tile_sum != tile_sum)
+        nan_seen = nan_seen | (tile_sum != tile_sum).to(tl.int32)
         tile_max = tile_max.to(tl.float64)
         new_max = tl.where(tile_max > row_max, tile_max, row_max)
         kept = tl.where(row_max > float("-inf"), row_sum * tl.exp(row_max - new_max), 0.0)
@@ -128,7 +128,7 @@ def _transform_row(row_ptr, vocab, logit_scale, softcap, inv_softcap, E: tl.cons
         row_sum = kept + added
         row_max = new_max
     lse = tl.where(tl.abs(row_max) < float("inf"), row_max + tl.log(row_sum), row_max)
-    return tl.where(nan_seen, float("nan"), lse)
+    return tl.where(nan_seen != 0, float("nan"), lse)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import torch
 
 from .. import reference
 from ..conv.launch import KernelLaunch
+from .checks import loss_count
 from .row_kernels import draft_head_rows_bwd_kernel, draft_head_rows_fwd_kernel
 
 LOSS_ORDER = reference.DRAFT_HEAD_LOSSES  # bit i of loss_mask = LOSS_ORDER[i]
@@ -56,10 +57,6 @@ _MAX_PROGRAMS = 2**31 - 1
 def row_tiles(dtype: torch.dtype, softcap: bool) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the row kernels for planes of ``dtype``, with or without a softcap."""
     return _TILES[(dtype, bool(softcap))]
-
-
-def loss_count(loss_mask: int) -> int:
-    return bin(loss_mask).count("1")
 
 
 # --- argument checks (before any launch) ------------------------------------------------

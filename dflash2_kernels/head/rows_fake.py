@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._extension import EXTENSION_LOADED
-from .checks import HEAD_FLOATS, LOSS_ORDER, SOFT_LOSS_MASK, CE_MASK
+from .checks import CE_MASK, HEAD_FLOATS, LOSS_ORDER, SOFT_LOSS_MASK, loss_count
 
 
 def _check_rows(op, logits, target_logits, labels, loss_mask, top_k, logit_scale, softcap, logits_dtype, **more):
@@ -46,7 +46,7 @@ def _check_rows(op, logits, target_logits, labels, loss_mask, top_k, logit_scale
         raise ValueError(f"{op}: softcap must be finite and >= 0 (0: none), got {softcap}.")
     if logits_dtype not in HEAD_FLOATS:
         raise TypeError(f"{op}: logits_dtype must be a float dtype, got {logits_dtype}.")
-    return rows, vocab, bin(loss_mask).count("1")
+    return rows, vocab, loss_count(loss_mask)
 
 
 if EXTENSION_LOADED:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from . import gemm
-from .checks import HEAD_FLOATS, IGNORE_INDEX, SOFT_LOSS_MASK, check_head_args, loss_names
+from .checks import HEAD_FLOATS, IGNORE_INDEX, SOFT_LOSS_MASK, check_head_args, loss_count, loss_names
 
 __all__ = ["VocabShard", "draft_head", "logits_at_ids", "resolve", "wanted"]
 
@@ -610,7 +610,7 @@ def _vocab_parallel(shard, hidden, target_hidden, labels, loss_mask, top_k, logi
     differentiable = needs_hidden or needs_weight
     cfg = _Config(shard.group, shard.start, vocab, loss_mask, top_k, float(logit_scale),
                   0.0 if softcap is None else float(softcap), logits_dtype, dtype, differentiable)
-    soft = bin(loss_mask & SOFT_LOSS_MASK).count("1")
+    soft = loss_count(loss_mask & SOFT_LOSS_MASK)
     planes = _DRAFT_PLANES + (_TARGET_PLANES if has_target else 0) + _LOSS_PLANES * soft
     tile_rows = tile_rows_for(max(1, max(sizes)), planes - 1 - int(has_target), has_target, True, dtype, tile_mb,
                               hidden.device.type)

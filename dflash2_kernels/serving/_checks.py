@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import struct
+import math
 
 import torch
 
@@ -66,6 +66,18 @@ def refuse_dtensors(what: str, **tensors) -> None:
         refuse(what, **tensors)
 
 
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (ties to even, subnormals included, +-inf
+    beyond its range), as a Python float. Plain arithmetic on frexp / ldexp: torch.compile
+    traces it on every supported torch (torch 2.5's cannot trace ``struct.pack``)."""
+    if value != value or value == 0 or value in (math.inf, -math.inf):
+        return value
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+    bits = min(24, exponent + 149)  # float32 keeps 24 bits, fewer below 2**-126 (spacing 2**-149)
+    result = math.ldexp(round(mantissa * 2.0 ** bits), exponent - bits) if bits >= 0 else 0.0 * value
+    return math.copysign(math.inf, value) if abs(result) >= 2.0 ** 128 else result
+
+
 def kernel_temperature(temperature) -> float:
     """The temperature as the kernels take it, a float32 (returned as a Python float):
     greedy versus sampled is decided from that value on every path, so a positive
@@ -73,10 +85,7 @@ def kernel_temperature(temperature) -> float:
     naming ``temperature`` unless it is a real number, finite and >= 0 as a float32."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}.")
-    try:
-        value = struct.unpack("f", struct.pack("f", temperature))[0]
-    except OverflowError:  # beyond float32's range
-        value = float("inf")
+    value = as_float32(float(temperature))
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"temperature must be finite and >= 0 as a float32 (0 selects greedily), "
                          f"got {temperature}.")

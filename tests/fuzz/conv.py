@@ -22,6 +22,7 @@ from dflash2_kernels import reference
 
 from ..conv_cases import conv_with_grads, exact_conv_with_grads
 from ..host_blas import pinned_outputs, values_of
+from ..triton_interpreter import FAULT as INTERPRETER_FAULT
 from .case import Agrees, Call, Case, threads
 from .draw import FLOATS, Draw
 from .judges import assert_contract, assert_equal, compute_dtype
@@ -200,6 +201,8 @@ def grouped_dynamic_conv_case(draw: Draw) -> Case:
         return bad_case(draw, call, public_conv_mutations(draw, shape, x, delta, base,
                                                           ("hidden_states", "delta_kernel", "base_kernel")))
     triton = shape.rows * shape.hidden <= MAX_TRITON_ELEMENTS and draw.chance(0.15)
+    if triton and INTERPRETER_FAULT and not torch.cuda.is_available():
+        triton = False  # an interpreter known to be wrong here (tests/triton_interpreter.py)
 
     def run():
         with backend("triton") if triton else contextlib.nullcontext():
