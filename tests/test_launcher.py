@@ -24,6 +24,8 @@ import pytest
 import dflash2_kernels_startup as startup
 from dflash2_kernels_startup import launcher
 
+from .e2e.install import needs_install
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 # The console script (fast: it imports neither torch nor dflash2_kernels), where the
@@ -74,6 +76,7 @@ def test_tested_versions_are_the_pinned_ones():
         assert upstream.tested == (pins[upstream.distribution],)
 
 
+@needs_install
 def test_the_hook_is_installed_with_the_package():
     """pip's install (editable here, as `make env` does) put the .pth in site-packages."""
     location = launcher.hook_location()
@@ -82,6 +85,7 @@ def test_the_hook_is_installed_with_the_package():
     assert installed == (ROOT / "dflash2_kernels_startup.pth").read_text()
 
 
+@needs_install
 def test_inert_unless_set():
     """Unset or off, nothing of ours is imported; set, only the hook, and nothing is said
     (the process imports neither upstream package)."""
@@ -110,6 +114,7 @@ IMPORT_SPECULATORS = [sys.executable, "-c", "import speculators.models.dflash2"]
 UNTESTED = "speculators 9.9.9 is not a version dflash2_kernels was tested against (0.9.0)"
 
 
+@needs_install
 def test_untested_version_fails_or_runs_unpatched(untested_speculators):
     fake = [untested_speculators]
     failed = run(IMPORT_SPECULATORS, patch="fused_head", pythonpath=fake)
@@ -131,6 +136,7 @@ def test_untested_version_fails_or_runs_unpatched(untested_speculators):
     assert "running unpatched" in ran.stderr
 
 
+@needs_install
 def test_a_bad_switch_or_a_failed_patch_fails_the_import(untested_speculators):
     fake = [untested_speculators]
     bad = run(IMPORT_SPECULATORS, patch="fused-head", pythonpath=fake)
@@ -146,6 +152,7 @@ def no_exec(*args):
 
 def test_launcher_refuses_a_missing_package(monkeypatch, capsys):
     monkeypatch.setattr(os, "execvpe", no_exec)
+    monkeypatch.setattr(launcher, "hook_location", lambda: "site-packages")
     monkeypatch.setattr(startup, "installed_version", lambda name: None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     assert launcher.main(["--package", "nemo", "--", "true"]) == 2
@@ -163,10 +170,12 @@ def test_launcher_usage(monkeypatch, capsys):
     printed = capsys.readouterr().out.strip()
     assert printed == "DFLASH2_PATCH=kernels,fused_head,nemo,on_unsupported=fail"
     assert startup.Settings.parse(printed.partition("=")[2]).packages == ("nemo",)
-    missing = run([sys.executable, "-m", "dflash2_kernels.run", "--", "no-such-command-dflash2"])
+    missing = run([sys.executable, "-m", "dflash2_kernels.run", "--on-unsupported", "run", "--",
+                   "no-such-command-dflash2"])
     assert missing.returncode == 127 and "cannot run 'no-such-command-dflash2'" in missing.stderr
 
 
+@needs_install
 @pytest.mark.skipif(importlib.util.find_spec("speculators") is None, reason="needs speculators")
 @pytest.mark.skipif(bool(os.environ.get("DFLASH2_EXTENSION_PATH")),
                     reason="three processes: run once, on the installed build (the sanitized half runs the ops' tests)")
@@ -196,6 +205,7 @@ def test_torchrun_workers_are_patched(tmp_path):
         assert record["loss"] > 0
 
 
+@needs_install
 @pytest.mark.skipif(None in (importlib.util.find_spec("speculators"), importlib.util.find_spec("nemo_automodel")),
                     reason="needs speculators and nemo_automodel")
 def test_example_scripts(tmp_path):

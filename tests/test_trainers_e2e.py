@@ -45,6 +45,7 @@ import pytest
 import torch
 
 from .e2e import data
+from .e2e.install import needs_install
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E = ROOT / "tests" / "e2e"
@@ -61,6 +62,7 @@ pytestmark = [
     pytest.mark.skipif(bool(os.environ.get("DFLASH2_EXTENSION_PATH")),
                        reason="the trainers' loops run once, on the installed build (the sanitized half runs the "
                               "kernels' own tests)"),
+    needs_install,
 ]
 
 
