@@ -14,7 +14,8 @@ EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
 env: $(VENV)/.built
 
-$(VENV)/.ready:
+# Re-made when the upstream pins change (an existing venv gets the new packages).
+$(VENV)/.ready: requirements/upstream.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" pytest numpy ninja "matplotlib>=3.5"
 	$(PY) -m pip install --quiet --no-deps -r requirements/upstream.txt

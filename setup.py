@@ -13,6 +13,11 @@ and a CUDA build of torch are present, also with no GPU visible; a CPU-only buil
 - ``MAX_JOBS`` bounds parallel compile jobs (torch's own switch).
 
 The Triton kernels need no build: they compile at run time.
+
+Besides dflash2_kernels, the build installs the startup hook that ``dflash2-run`` and
+``DFLASH2_PATCH`` rely on: the torch-free package ``dflash2_kernels_startup`` and
+``dflash2_kernels_startup.pth`` at the top of site-packages (``build_startup_hook``
+below), in the wheel of ``pip install .`` and in the editable one of ``pip install -e .``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import glob
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import Command, setup
+from setuptools.command.build import build
+
+STARTUP_PTH = "dflash2_kernels_startup.pth"
 
 
 def _find_cuda_home() -> str | None:
@@ -95,5 +103,40 @@ def _extensions():
     return [extension], {"build_ext": BuildExtension}
 
 
+class build_startup_hook(Command):
+    """Put dflash2_kernels_startup.pth at the top of site-packages. A wheel installs what
+    ``build_lib`` holds there; an editable wheel (PEP 660) holds only a finder for the
+    package's modules, and takes its other top-level files from the directory setuptools
+    unpacks it in, ``install_lib`` in editable mode: the .pth is written there instead."""
+
+    description = "add the startup hook's .pth file (see dflash2_kernels_startup/__init__.py)"
+    user_options: list = []
+
+    def initialize_options(self):
+        self.build_lib = None
+        self.editable_mode = False
+
+    def finalize_options(self):
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def run(self):
+        target = self.get_finalized_command("install").install_lib if self.editable_mode else self.build_lib
+        self.copy_file(STARTUP_PTH, os.path.join(target, STARTUP_PTH), preserve_mode=False)
+
+    def get_outputs(self):
+        return [os.path.join(self.build_lib, STARTUP_PTH)]
+
+    def get_output_mapping(self):
+        return {}
+
+    def get_source_files(self):
+        return [STARTUP_PTH]
+
+
+class build_with_startup_hook(build):
+    sub_commands = build.sub_commands + [("build_startup_hook", None)]
+
+
 ext_modules, cmdclass = _extensions()
+cmdclass.update(build=build_with_startup_hook, build_startup_hook=build_startup_hook)
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
