@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from .contract import contract_floor
 from .e2e import data
 from .e2e.install import needs_install
 
@@ -52,7 +53,6 @@ E2E = ROOT / "tests" / "e2e"
 # Seconds per child process: each takes 10-30 s on a busy 2-core machine (mostly
 # imports); the bound only keeps a hung trainer from hanging CI.
 TIMEOUT_S = 600
-EPS32 = torch.finfo(torch.float32).eps
 STEPS = 4  # optimizer steps per epoch on this data
 # How each trainer's console prints a step's loss (the gpu tests read these).
 SPECULATORS_LOSS = r"train/loss=([-+.\deE]+)"
@@ -108,7 +108,7 @@ def contract_failures(label: str, losses: list[float], reference: list[float], e
     failures, reference_error = [], 0.0
     for step, (loss, ref, x) in enumerate(zip(losses, reference, exact)):
         reference_error = max(reference_error, abs(ref - x))
-        bound = 2 * reference_error + 4 * EPS32 * abs(x) + 1e-6
+        bound = 2 * reference_error + contract_floor(torch.float32, abs(x))
         if not (math.isfinite(loss) and abs(loss - x) <= bound):
             failures.append(f"{label} step {step}: {loss!r} vs exact {x!r}: error {abs(loss - x):.3g} > {bound:.3g} "
                             f"(reference {ref!r})")
