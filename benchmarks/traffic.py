@@ -227,8 +227,10 @@ def measured_cpu_speedup(case) -> dict:
         names = [n for n in names if ("fwd+bwd" in n) == ("backward" in case.name)]
     for words in ((("fp32", "float32"), ("bf16", "bfloat16")), (("greedy",), ("sampled",))):
         for group in words:
-            if any(w in case.name for w in group) and any(any(w in n for w in group) for n in names):
-                names = [n for n in names if any(w in n for w in group)]
+            others = [w for g in words if g is not group for w in g]
+            if any(w in case.name for w in group):
+                same = [n for n in names if any(w in n for w in group) and not any(w in n for w in others)]
+                names = same or names
     if any(n.startswith("op ") for n in names):
         names = [n for n in names if n.startswith("op ")]
     if not names:
@@ -439,8 +441,9 @@ def main() -> None:
     emulated = torch.ops.dflash2_emulated
     env = environment(torch.device("cpu"))
     env["note"] = model.MODEL_NOTE
+    env["load"] = round(os.getloadavg()[0], 1)  # counts do not depend on it; the counting time does
     print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']} | "
-          f"load {os.getloadavg()[0]:.1f}")
+          f"load {env['load']}")
     records = []
     for case in traffic_cases.CASES:
         if args.only and args.only not in case.name:
