@@ -127,7 +127,7 @@ BUDGETS = {
         why="reads the chosen slice of the bonus row again (the mass pass read it; from the L2); the slices' "
             "(residual, target) mass pairs are read as two 4-byte loads 8 bytes apart (B x 61 pairs at V = "
             "248,320: latency-bound)"),
-    # The planted-regression probes of the tests (csrc/emulation/traffic_probe.cpp).
+    # The planted-regression probes of the tests (csrc/emulation/traffic_probe_kernels.cpp).
     "traffic_probe_kernel": Budget(),
 }
 

@@ -48,7 +48,7 @@ EMULATED_SOURCES = [
     "csrc/emulation/verify_kernels.cpp",
     "csrc/emulation/selector_bindings.cpp",
     "csrc/emulation/serving_bindings.cpp",
-    "csrc/emulation/traffic_probe.cpp",
+    "csrc/emulation/traffic_probe_kernels.cpp",
 ]
 # The kernel files: their sanitizer checks are calls, which the traffic counters hook
 # (csrc/emulation/traffic.h). Without the sanitizer, kernel-address instrumentation
@@ -57,7 +57,7 @@ KERNEL_SOURCES = {
     "csrc/emulation/selector_kernels.cpp",
     "csrc/emulation/serving_kernels.cpp",
     "csrc/emulation/verify_kernels.cpp",
-    "csrc/emulation/traffic_probe.cpp",
+    "csrc/emulation/traffic_probe_kernels.cpp",
 }
 KERNEL_CALL_CHECKS = ["--param", "asan-instrumentation-with-call-threshold=0"]
 KERNEL_CALLS_WITHOUT_ASAN = ["-fsanitize=kernel-address", "--param", "asan-stack=0", "--param", "asan-globals=0"]
@@ -68,7 +68,6 @@ TORCH_SOURCES = set(CPU_SOURCES) | {
     "csrc/emulation/registration.cpp",
     "csrc/emulation/selector_bindings.cpp",
     "csrc/emulation/serving_bindings.cpp",
-    "csrc/emulation/traffic_probe.cpp",
 }
 ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer"]
 
