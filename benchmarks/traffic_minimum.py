@@ -87,12 +87,12 @@ BUDGETS = {
     "draft_head_rows_fwd_kernel": Budget(
         requested=2.0, dram="requested",
         why="three passes over each row of the chunk (transform + logsumexp, the losses' sums, the gradient "
-            "planes): a row is 1 MB (V = 248,320 fp32) and hundreds are in flight, so the re-reads come from "
-            "HBM"),
+            "planes: (8 + L) / (4 + L) of the minimum with L planes): a row is 1 MB (V = 248,320 fp32) and "
+            "hundreds are in flight, so the re-reads come from HBM"),
     "draft_head_rows_bwd_kernel": Budget(
-        requested=2.2, dram="requested",
-        why="recomputes the forward's passes (transform + logsumexp, the losses' sums) before writing dL/ds: "
-            "re-reads of 1 MB rows, from HBM"),
+        requested=2.3, dram="requested",
+        why="recomputes the forward's passes (transform + logsumexp; the losses' sums for rkl, jsd, tv) before "
+            "writing dL/ds: 7 / 4 of the minimum (9 / 4 with those losses), re-reads of 1 MB rows, from HBM"),
     "selector_scores_forward_kernel": Budget(
         sectors=1.05,
         why="U at the candidates and the candidates' B rows are gathers (one sector per gathered element)"),
