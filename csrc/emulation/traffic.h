@@ -16,6 +16,11 @@
 // strided, ideally fills whole sectors; a gather through indices needs what it
 // touches), the bytes requested, and the unique bytes (and sectors) read and written
 // by the whole grid and by each block.
+//
+// What is counted is what g++ makes of each access: a 16-byte vector access counts as
+// one only where it is one on the host too (simt.h's __ldg, device_runtime.cuh's
+// store_16_bytes); a struct copy the host compiler splits, or scalar accesses it merges,
+// can differ from nvcc's code. A launch's accesses are kept until its block ends.
 #pragma once
 
 #include <cuda_runtime_api.h>
