@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # then recompiles only what the edit affects).
 EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env bench bench-selector test test-asan test-oldest-torch check-cpu fuzz cuda-check clean
+.PHONY: env bench bench-selector traffic test test-asan test-oldest-torch check-cpu fuzz cuda-check clean
 
 env: $(VENV)/.built
 
@@ -30,6 +30,10 @@ bench: env
 
 bench-selector: env
 	$(PY) benchmarks/bench_selector.py --out bench_results/selector.jsonl
+
+# The traffic model (benchmarks/traffic.py): every GPU kernel's bytes counted on the CPU.
+traffic: $(VENV)/.ready
+	$(PY) benchmarks/traffic.py --out bench_results/traffic.jsonl
 
 # The suite against the installed build, then again against the sanitized build, which
 # adds the CUDA kernels run on the CPU's SIMT emulator (scripts/asan.py), then the

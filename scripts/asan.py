@@ -35,7 +35,7 @@ BUILD = ROOT / "build" / "asan"
 LIBRARY = BUILD / "_C.so"
 SELFTEST = BUILD / "simt_selftest"
 
-RUNTIME_SOURCES = ["csrc/emulation/simt.cpp", "csrc/emulation/fiber.cpp"]
+RUNTIME_SOURCES = ["csrc/emulation/simt.cpp", "csrc/emulation/fiber.cpp", "csrc/emulation/traffic.cpp"]
 # The CPU kernels and the op library as setup.py builds them (the CUDA bindings are the
 # emulated ones), plus the emulated CUDA kernels and their op library.
 CPU_SOURCES = sorted(
@@ -48,7 +48,19 @@ EMULATED_SOURCES = [
     "csrc/emulation/verify_kernels.cpp",
     "csrc/emulation/selector_bindings.cpp",
     "csrc/emulation/serving_bindings.cpp",
+    "csrc/emulation/traffic_probe_kernels.cpp",
 ]
+# The kernel files: their sanitizer checks are calls, which the traffic counters hook
+# (csrc/emulation/traffic.h). Without the sanitizer, kernel-address instrumentation
+# makes the same calls and needs no runtime.
+KERNEL_SOURCES = {
+    "csrc/emulation/selector_kernels.cpp",
+    "csrc/emulation/serving_kernels.cpp",
+    "csrc/emulation/verify_kernels.cpp",
+    "csrc/emulation/traffic_probe_kernels.cpp",
+}
+KERNEL_CALL_CHECKS = ["--param", "asan-instrumentation-with-call-threshold=0"]
+KERNEL_CALLS_WITHOUT_ASAN = ["-fsanitize=kernel-address", "--param", "asan-stack=0", "--param", "asan-globals=0"]
 LIBRARY_SOURCES = CPU_SOURCES + EMULATED_SOURCES + RUNTIME_SOURCES
 SELFTEST_SOURCES = RUNTIME_SOURCES + ["tests/simt/simt_selftest.cpp"]
 # The sources that include torch's (and Python's) headers; the others need only the CUDA toolkit's.
@@ -121,10 +133,12 @@ def ninja_file(cxx: str, asan: bool) -> str:
     def quote(words):
         return " ".join(shlex.quote(w) for w in words)
 
+    kernel_flags = KERNEL_CALL_CHECKS if asan else KERNEL_CALL_CHECKS + KERNEL_CALLS_WITHOUT_ASAN
     lines = [
         f"cxx = {cxx}",
         f"common = {quote(common)}",
         f"torch_flags = {quote(torch_flags)}",
+        f"kernel_flags = {quote(kernel_flags)}",
         "rule compile",
         "  command = $cxx $common $extra -MMD -MF $out.d -c $in -o $out",
         "  depfile = $out.d",
@@ -142,7 +156,8 @@ def ninja_file(cxx: str, asan: bool) -> str:
             if obj not in compiled:
                 compiled.add(obj)
                 lines.append(f"build {obj}: compile {ROOT / source}")
-                lines.append(f"  extra = {'$torch_flags' if source in TORCH_SOURCES else ''}")
+                extra = ["$torch_flags"] * (source in TORCH_SOURCES) + ["$kernel_flags"] * (source in KERNEL_SOURCES)
+                lines.append(f"  extra = {' '.join(extra)}")
             names.append(obj)
         return names
 

@@ -209,6 +209,14 @@ with torch.compiler.set_stance('force_eager'):
 dist.destroy_process_group()
 "
 
+# The traffic model's first check (benchmarks/traffic.py, issue 33): every CUDA and Triton
+# kernel timed by torch.profiler at the published shapes (inputs drawn on the device, 5
+# profiled calls each) beside the H200 time the model predicts from the bytes counted on
+# the CPU (docs/results/traffic.jsonl); the table is in traffic_model.log, the records in
+# traffic_gpu.jsonl. Cap 60 s: 12 cases, each a few calls of at most ~20 ms.
+rm -f "$OUT/traffic_gpu.jsonl"
+optional_step traffic_model 60 "$PY" benchmarks/traffic.py --gpu --out "$OUT/traffic_gpu.jsonl"
+
 # Inductor's cold compiles dominate these (4 graphs for conv --quick, 3 for selector).
 optional_step conv_compile 100 "$PY" benchmarks/bench_conv.py --quick --out "$OUT/bench_compile.jsonl"
 optional_step selector_compile 90 "$PY" benchmarks/bench_selector.py --quick --out "$OUT/bench_compile.jsonl"

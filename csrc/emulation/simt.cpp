@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "emulation/fiber.h"
+#include "emulation/traffic.h"
 
 namespace dflash2 {
 namespace emulation {
@@ -474,6 +475,16 @@ void yield_point(const char* file, int line) {
   switch_to_scheduler(self);
 }
 
+bool running_thread(int* linear, uintptr_t* stack_low, uintptr_t* stack_high) {
+  if (active == nullptr || active->running == nullptr) return false;
+  const int thread = active->running->linear;
+  const FiberStack& stack = *stack_pool[thread];
+  *linear = thread;
+  *stack_low = reinterpret_cast<uintptr_t>(stack.bottom());
+  *stack_high = *stack_low + stack.size();
+  return true;
+}
+
 void set_schedule_seed(uint64_t seed) {
   std::lock_guard<std::mutex> lock(launch_mutex);
   generator.state = seed;
@@ -530,6 +541,8 @@ cudaError_t run_grid(const char* kernel, dim3 grid, dim3 block, size_t dynamic_s
     fiber.builtins.block_dim = block;
     fiber.builtins.grid_dim = grid;
   }
+  traffic::launch_begin(kernel, grid, block, reinterpret_cast<uintptr_t>(launch.fibers.data()),
+                        reinterpret_cast<uintptr_t>(launch.fibers.data() + launch.fibers.size()));
   // The blocks' order: a seeded permutation (Fisher-Yates).
   std::vector<uint64_t> order(blocks);
   std::iota(order.begin(), order.end(), uint64_t{0});
@@ -543,8 +556,10 @@ cudaError_t run_grid(const char* kernel, dim3 grid, dim3 block, size_t dynamic_s
                                static_cast<unsigned>((linear_block / grid.x) % grid.y),
                                static_cast<unsigned>(linear_block / (uint64_t{grid.x} * grid.y))};
     run_block(launch);
+    traffic::block_end(launch.threads);
     if (!launch.error.empty()) break;
   }
+  traffic::launch_end(launch.error.empty());
   launch_started_ms.store(0);
   active = nullptr;
   current_thread = nullptr;

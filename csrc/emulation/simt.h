@@ -196,14 +196,20 @@ T atomicCAS(T* address, typename ::dflash2::emulation::Identity<T>::type compare
   return old;
 }
 
-// Loads through the caches are plain loads here.
+// Loads through the caches are plain loads here: one access of sizeof(T) bytes, as
+// the GPU's vector load (a copy of a uint4 could otherwise become four 4-byte loads,
+// which the traffic counters would see as four strided requests).
 template <typename T>
 T __ldg(const T* address) {
-  return *address;
+  T value;
+  __builtin_memcpy(&value, address, sizeof(T));
+  return value;
 }
 template <typename T>
 T __ldcg(const T* address) {
-  return *address;
+  T value;
+  __builtin_memcpy(&value, address, sizeof(T));
+  return value;
 }
 
 // Bit intrinsics.

@@ -8,5 +8,26 @@
 #include <cuda_runtime_api.h>
 
 #if defined(DFLASH2_EMULATED)
+#include <cstring>
+
 #include "emulation/simt.h"
 #endif
+
+namespace dflash2 {
+
+// One 16-byte store to global memory, `target` 16-byte aligned. In PTX: nvcc splits a
+// uint4 assignment into four 4-byte stores where it loses track of the alignment
+// (seen in selector_kernels.cu's partial sums). In the emulated build one 16-byte
+// access: the host compiler may split it too, and the traffic counters
+// (emulation/traffic.h) would count four strided requests.
+__device__ __forceinline__ void store_16_bytes(void* target, uint4 value) {
+#if defined(DFLASH2_EMULATED)
+  std::memcpy(target, &value, sizeof(value));
+#else
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(target), "r"(value.x), "r"(value.y), "r"(value.z),
+               "r"(value.w)
+               : "memory");
+#endif
+}
+
+}  // namespace dflash2

@@ -77,10 +77,38 @@ __device__ __forceinline__ void load_vector(const T* __restrict__ source, Acc (&
   }
 }
 
+// An element's bits, for packing 16-byte stores.
+__device__ __forceinline__ uint64_t element_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ uint64_t element_bits(double v) { return static_cast<uint64_t>(__double_as_longlong(v)); }
+__device__ __forceinline__ uint64_t element_bits(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ uint64_t element_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+
+// VEC consecutive elements from accumulators; 16-byte stores when the bytes allow (the
+// bindings guarantee alignment whenever VEC > 1). nvcc does not merge scalar stores to
+// a pointer of unknown alignment, and a warp's 4-byte stores 16 bytes apart touch four
+// times the sectors of one 16-byte store each (benchmarks/traffic_minimum.py counts).
 template <int VEC, typename T, typename Acc>
 __device__ __forceinline__ void store_vector(T* __restrict__ target, const Acc (&values)[VEC]) {
+  constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
+  if constexpr (VEC > 1 && kBytes % 16 == 0) {
+    constexpr int kPerStore = 16 / static_cast<int>(sizeof(T));
+    constexpr int kBits = 8 * static_cast<int>(sizeof(T));
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) target[i] = from_acc<T>(static_cast<double>(values[i]));
+    for (int piece = 0; piece < kBytes / 16; ++piece) {
+      uint64_t halves[2] = {0, 0};  // the 16 bytes, packed in registers
+#pragma unroll
+      for (int i = 0; i < kPerStore; ++i) {
+        const uint64_t bits = element_bits(from_acc<T>(static_cast<double>(values[piece * kPerStore + i])));
+        halves[i * kBits / 64] |= bits << (i * kBits % 64);
+      }
+      store_16_bytes(target + piece * kPerStore,
+                     make_uint4(static_cast<uint32_t>(halves[0]), static_cast<uint32_t>(halves[0] >> 32),
+                                static_cast<uint32_t>(halves[1]), static_cast<uint32_t>(halves[1] >> 32)));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) target[i] = from_acc<T>(static_cast<double>(values[i]));
+  }
 }
 
 template <typename Acc>
@@ -256,7 +284,8 @@ __device__ __forceinline__ void add_contribution(const SelectorBackwardParams& p
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] += weight * context_term(a[i], p[i]);
   } else {
-    const Acc* pg = static_cast<const Acc*>(params.projected_times_g) + original * op.rank + rho;
+    Acc pg[VEC];
+    load_vector<VEC>(static_cast<const Acc*>(params.projected_times_g) + original * op.rank + rho, pg);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] += pg[i];
   }
@@ -293,9 +322,7 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
         if (id_in_range(id, op.vocab)) store_vector<VEC>(grad_table + id * op.rank + rho, acc);
       } else {
         const int slot = piece == Piece::kLeading ? 0 : 1;
-        Acc* target = partials + (chunk * 2 + slot) * op.rank + rho;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) target[i] = acc[i];
+        store_vector<VEC>(partials + (chunk * 2 + slot) * op.rank + rho, acc);
       }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = Acc(0);

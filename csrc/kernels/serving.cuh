@@ -18,7 +18,7 @@ struct TopkPartials {
   uint32_t* keys;     // [rows, slices, k]
   uint32_t* indices;  // [rows, slices, k]
   int32_t slices;
-  int64_t slice_length;  // elements per slice, a multiple of 8
+  int64_t slice_length;  // elements per slice, a multiple of 16
 };
 
 struct TopkParams {

@@ -121,7 +121,9 @@ __device__ __forceinline__ void merge_row(const TopkPartials& partials, int64_t 
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
   const int64_t entries = static_cast<int64_t>(partials.slices) * top_k;
-  const int64_t per_warp = (entries + kMergeWarps - 1) / kMergeWarps;
+  // Whole 32-byte sectors (8 words) a warp: a share starting mid-sector costs each of its
+  // requests a sector more.
+  const int64_t per_warp = ((entries + kMergeWarps - 1) / kMergeWarps + 7) / 8 * 8;
   const int64_t first = smaller(static_cast<int64_t>(warp) * per_warp, entries);
   const int64_t count = smaller(per_warp, entries - first);
   const int64_t offset = row * entries + first;
@@ -361,8 +363,10 @@ TopkSplit plan_topk_split(int64_t rows, int64_t vocab, int device) {
   const int64_t target_warps = static_cast<int64_t>(multiprocessors(device)) * 32;
   int64_t slices = std::max<int64_t>(1, (target_warps + rows - 1) / rows);
   slices = std::min<int64_t>({slices, kMaxSlices, std::max<int64_t>(1, vocab / kMinSliceLength)});
+  // Slices start on 32-byte boundaries of a 16-bit row (a multiple of 16 elements): a
+  // warp's 16-byte loads then never straddle a sector more than they must.
   int64_t length = (vocab + slices - 1) / slices;
-  length = (length + 7) / 8 * 8;
+  length = (length + 15) / 16 * 16;
   slices = (vocab + length - 1) / length;
   return TopkSplit{static_cast<int32_t>(slices), length};
 }
