@@ -467,6 +467,13 @@ void block_barrier(const char* file, int line) {
   switch_to_scheduler(self);
 }
 
+void device_fault(const char* what, const char* file, int line) {
+  Fiber& self = running_fiber("a device fault");
+  std::ostringstream text;
+  text << thread_label(*active, self) << ": " << what << " (" << file << ":" << line << ")";
+  fail(*active, text.str());
+}
+
 void yield_point(const char* file, int line) {
   Fiber& self = running_fiber("an atomic or fence");
   self.state = State::kYielded;

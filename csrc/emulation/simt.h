@@ -69,6 +69,9 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int argument,
 void block_barrier(const char* file, int line);
 // Lets the scheduler run another thread first: every atomic and fence is such a point.
 void yield_point(const char* file, int line);
+// What a GPU would stop the kernel for (a misaligned vector access): the launch fails
+// with `what`, naming the thread and the source line; the thread itself runs on.
+void device_fault(const char* what, const char* file, int line);
 
 template <typename T>
 uint64_t to_payload(T value) {

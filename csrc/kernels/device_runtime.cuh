@@ -20,14 +20,20 @@ namespace dflash2 {
 // (seen in selector_kernels.cu's partial sums). In the emulated build one 16-byte
 // access: the host compiler may split it too, and the traffic counters
 // (emulation/traffic.h) would count four strided requests.
-__device__ __forceinline__ void store_16_bytes(void* target, uint4 value) {
 #if defined(DFLASH2_EMULATED)
+inline void store_16_bytes(void* target, uint4 value, const char* file = __builtin_FILE(),
+                           int line = __builtin_LINE()) {
+  if (reinterpret_cast<uintptr_t>(target) % 16 != 0) {  // a GPU stops the kernel: "misaligned address"
+    ::dflash2::emulation::device_fault("16-byte store to a misaligned address", file, line);
+  }
   std::memcpy(target, &value, sizeof(value));
+}
 #else
+__device__ __forceinline__ void store_16_bytes(void* target, uint4 value) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(target), "r"(value.x), "r"(value.y), "r"(value.z),
                "r"(value.w)
                : "memory");
-#endif
 }
+#endif
 
 }  // namespace dflash2

@@ -224,6 +224,12 @@ __global__ void planted_spin_kernel(volatile int* flags) {
   }
 }
 
+// 16-byte stores (store_16_bytes): each thread's four words, 16-byte aligned from `out`;
+// `offset` words past it, a GPU faults ("misaligned address") unless offset % 4 == 0.
+__global__ void vector_store_kernel(unsigned* out, int offset) {
+  store_16_bytes(out + offset + 4 * threadIdx.x, make_uint4(threadIdx.x, 1, 2, 3));
+}
+
 // ---- the harness ----
 
 struct Failure {
@@ -414,6 +420,19 @@ std::map<std::string, std::function<void()>> cases() {
     // Only lanes 0-15 take part; a lane outside the mask must not run the collective.
     expect_error(launch_kernel<planted_unnamed_source_kernel>(1, 16, 0, nullptr, out.data()),
                  {"reads lane 20", "not in the mask"});
+  };
+  all["vector_store"] = [] {
+    alignas(16) unsigned out[4 * 8 + 4] = {};
+    expect_ok(launch_kernel<vector_store_kernel>(1, 8, 0, nullptr, static_cast<unsigned*>(out), 4));
+    for (unsigned t = 0; t < 8; ++t) {
+      const unsigned* word = out + 4 + 4 * t;
+      expect(word[0] == t && word[1] == 1 && word[2] == 2 && word[3] == 3, "a 16-byte store wrote the wrong words");
+    }
+  };
+  all["planted_misaligned_vector_store"] = [] {
+    alignas(16) unsigned out[4 * 8 + 4] = {};
+    expect_error(launch_kernel<vector_store_kernel>(1, 8, 0, nullptr, static_cast<unsigned*>(out), 1),
+                 {"16-byte store to a misaligned address", "vector_store_kernel", "thread (", "simt_selftest.cpp"});
   };
   all["invalid_launch"] = [] {
     int out = 0;
