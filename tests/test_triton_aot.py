@@ -1,9 +1,11 @@
-"""Every conv and draft head row kernel configuration the launchers pick, compiled for
-sm_90 with no GPU.
+"""Every conv and draft head row kernel configuration the launchers pick, compiled with no
+GPU for every architecture of the default list (dflash2_kernels/_cuda_archs.py: sm_80,
+sm_86, sm_89, sm_90, sm_100, sm_120), each checked against that architecture's limits.
 
-This catches code-generation errors the interpreter cannot see, and register spills
-before a GPU ever runs the kernel. The compiling happens in one child process
-without TRITON_INTERPRET (see tests/triton_aot.py).
+This catches code-generation errors the interpreter cannot see, register spills, and
+blocks that would not fit a multiprocessor (registers, shared memory) before a GPU ever
+runs the kernel. The compiling happens in child processes without TRITON_INTERPRET (see
+tests/triton_aot.py), one a core, the architectures dealt out among them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from dflash2_kernels import _cuda_archs
 
 # (hidden, group size, taps, x / delta / base dtypes): the published drafters' shapes
 # and dtype mixes, plus the group sizes that change the tiling (not a power of two,
@@ -59,26 +63,62 @@ HEAD_ROW_CONFIGS = [
                        vocab=248_321)},
 ]
 REPO = Path(__file__).resolve().parents[1]
+ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]
 
 
 @pytest.fixture(scope="module")
-def sm90_usage():
+def usage():
+    """{arch: {config: {kernel: resource usage}}}, from children compiling at once."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, "-m", "tests.triton_aot"],
-        input=json.dumps(CONFIGS + HEAD_ROW_CONFIGS), capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout)
+    share = min(len(ARCHS), os.cpu_count() or 1)
+    children = [subprocess.Popen([sys.executable, "-m", "tests.triton_aot", *map(str, ARCHS[i::share])],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=REPO, env=env)
+                for i in range(share)]
+    found = {}
+    for child in children:
+        out, err = child.communicate(json.dumps(CONFIGS + HEAD_ROW_CONFIGS), timeout=900)
+        assert child.returncode == 0, err[-4000:]
+        found.update(json.loads(out))
+    return found
 
 
+# ptxas (CUDA 13.0's, in Triton 3.8) squeezes the conv backward with three taps into 128
+# registers on sm_86 and sm_89 (48 warps a multiprocessor) to fit two blocks of 8 warps,
+# spilling 4 bytes a thread to get there; the other architectures take 125-134 registers
+# and do not spill. Smaller backward tiles move the spill to other tap counts (1024
+# elements: four taps spill there instead), so the tile waits for a GPU's measurement.
+# Strict with the Triton measured: a Triton whose ptxas stops spilling fails the test, and
+# the entry goes.
+KNOWN_SPILLS = {(json.dumps([4096, 8, 3, BF16]), "backward", arch): "3.8." for arch in (86, 89)}
+
+
+def _expect_known_spill(request, config, kernel: str, arch: int) -> None:
+    measured_with = KNOWN_SPILLS.get((json.dumps(config), kernel, arch))
+    if measured_with is not None:
+        import triton
+
+        request.applymarker(pytest.mark.xfail(raises=AssertionError, strict=triton.__version__.startswith(measured_with),
+                                              reason=f"sm_{arch}: ptxas spills 4 bytes to fit two blocks"))
+
+
+def _assert_fits(arch: int, usage: dict) -> None:
+    """No compile error, no spill, and a block that fits one of ``arch``'s multiprocessors."""
+    assert "error" not in usage, usage.get("error")
+    assert usage["local"] == 0 and usage["stack"] == 0, f"sm_{arch}: register spills: {usage}"
+    assert usage["registers"] <= _cuda_archs.REGISTERS_PER_THREAD, usage
+    assert usage["registers"] * usage["threads"] <= _cuda_archs.REGISTERS_PER_MULTIPROCESSOR, \
+        f"sm_{arch}: a block needs more registers than a multiprocessor has: {usage}"
+    limit = _cuda_archs.SHARED_MEMORY_KIB[divmod(arch, 10)] * 1024
+    assert usage["shared"] + usage["dynamic_shared"] <= limit, f"sm_{arch}: over {limit} bytes of shared memory: {usage}"
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"H{c[0]}-gs{c[1]}-K{c[2]}-{'-'.join(c[3])}")
-def test_compiles_for_sm90_without_spills(sm90_usage, config, kernel):
-    usage = sm90_usage[json.dumps(config)][kernel]
-    assert "error" not in usage, usage.get("error")
-    assert usage["local"] == 0 and usage["stack"] == 0, f"register spills: {usage}"
-    assert usage["registers"] <= 255
+def test_conv_compiles_within_each_architectures_limits(request, usage, config, kernel, arch):
+    _expect_known_spill(request, config, kernel, arch)
+    _assert_fits(arch, usage[str(arch)][json.dumps(config)][kernel])
 
 
 def _head_row_id(config) -> str:
@@ -89,10 +129,8 @@ def _head_row_id(config) -> str:
     return "head-" + "-".join(parts)
 
 
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("config", HEAD_ROW_CONFIGS, ids=_head_row_id)
-def test_head_rows_compile_for_sm90_without_spills(sm90_usage, config, kernel):
-    usage = sm90_usage[json.dumps(config)][kernel]
-    assert "error" not in usage, usage.get("error")
-    assert usage["local"] == 0 and usage["stack"] == 0, f"register spills: {usage}"
-    assert usage["registers"] <= 255
+def test_head_rows_compile_within_each_architectures_limits(usage, config, kernel, arch):
+    _assert_fits(arch, usage[str(arch)][json.dumps(config)][kernel])
