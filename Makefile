@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.14.1
 PY := $(VENV)/bin/python
 # Everything the extension is built from: an edit to any of them rebuilds it (ninja
 # then recompiles only what the edit affects).
-EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
+EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml dflash2_kernels/_cuda_archs.py
 
 .PHONY: env bench bench-selector test test-asan check-cpu fuzz cuda-check clean
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
 
 from dflash2_kernels import _cuda_archs
 
@@ -83,42 +84,47 @@ def usage():
     return found
 
 
-# ptxas (CUDA 13.0's, in Triton 3.8) squeezes the conv backward with three taps into 128
-# registers on sm_86 and sm_89 (48 warps a multiprocessor) to fit two blocks of 8 warps,
-# spilling 4 bytes a thread to get there; the other architectures take 125-134 registers
-# and do not spill. Smaller backward tiles move the spill to other tap counts (1024
-# elements: four taps spill there instead), so the tile waits for a GPU's measurement.
-# Strict with the Triton measured: a Triton whose ptxas stops spilling fails the test, and
-# the entry goes.
-KNOWN_SPILLS = {(json.dumps([4096, 8, 3, BF16]), "backward", arch): "3.8." for arch in (86, 89)}
+# Spills ptxas chooses (Triton 3.8's, CUDA 13.0) to fit one more block on a
+# multiprocessor, 4-16 bytes a thread: {(configuration, kernel, arch): why}. Tile changes
+# move such spills to other configurations or architectures rather than remove them
+# (measured: the conv backward at 1024 elements spills with four taps instead; the head's
+# fp32 rows over 16 warps spill at V 248,321 instead), so the tiles wait for a GPU's
+# measurement. With Triton 3.8 each must still be there (a ptxas that stops spilling
+# fails the test, and the entry goes); every other limit holds for them too.
+KNOWN_SPILLS = {
+    **{(json.dumps([4096, 8, 3, BF16]), "backward", arch): "three taps: 128 registers to fit two blocks, 4 bytes"
+       for arch in (86, 89)},
+    **{(json.dumps(config), "forward", 100): "every loss: 80 (softcap: 64) registers to fit more blocks, 8-16 bytes"
+       for config in HEAD_ROW_CONFIGS
+       if config["head_rows"]["dtype"] == "float32" and config["head_rows"]["loss_mask"] == 0b11111
+       and config["head_rows"]["labels"] and "vocab" not in config["head_rows"]},
+}
+MEASURED_TRITON = triton.__version__.startswith("3.8.")
 
 
-def _expect_known_spill(request, config, kernel: str, arch: int) -> None:
-    measured_with = KNOWN_SPILLS.get((json.dumps(config), kernel, arch))
-    if measured_with is not None:
-        import triton
-
-        request.applymarker(pytest.mark.xfail(raises=AssertionError, strict=triton.__version__.startswith(measured_with),
-                                              reason=f"sm_{arch}: ptxas spills 4 bytes to fit two blocks"))
-
-
-def _assert_fits(arch: int, usage: dict) -> None:
-    """No compile error, no spill, and a block that fits one of ``arch``'s multiprocessors."""
+def _assert_fits(arch: int, config, kernel: str, found: dict) -> None:
+    """No compile error, a block that fits one of ``arch``'s multiprocessors (registers,
+    shared memory), and no spill but a known one."""
+    usage = found[str(arch)][json.dumps(config)][kernel]
     assert "error" not in usage, usage.get("error")
-    assert usage["local"] == 0 and usage["stack"] == 0, f"sm_{arch}: register spills: {usage}"
     assert usage["registers"] <= _cuda_archs.REGISTERS_PER_THREAD, usage
     assert usage["registers"] * usage["threads"] <= _cuda_archs.REGISTERS_PER_MULTIPROCESSOR, \
         f"sm_{arch}: a block needs more registers than a multiprocessor has: {usage}"
     limit = _cuda_archs.SHARED_MEMORY_KIB[divmod(arch, 10)] * 1024
     assert usage["shared"] + usage["dynamic_shared"] <= limit, f"sm_{arch}: over {limit} bytes of shared memory: {usage}"
+    spilled = usage["local"] > 0 or usage["stack"] > 0
+    known = KNOWN_SPILLS.get((json.dumps(config), kernel, arch))
+    if known is None:
+        assert not spilled, f"sm_{arch}: register spills: {usage}"
+    elif MEASURED_TRITON:
+        assert spilled, f"sm_{arch}: the known spill ({known}) is gone: drop it from KNOWN_SPILLS ({usage})"
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"H{c[0]}-gs{c[1]}-K{c[2]}-{'-'.join(c[3])}")
-def test_conv_compiles_within_each_architectures_limits(request, usage, config, kernel, arch):
-    _expect_known_spill(request, config, kernel, arch)
-    _assert_fits(arch, usage[str(arch)][json.dumps(config)][kernel])
+def test_conv_compiles_within_each_architectures_limits(usage, config, kernel, arch):
+    _assert_fits(arch, config, kernel, usage)
 
 
 def _head_row_id(config) -> str:
@@ -133,4 +139,4 @@ def _head_row_id(config) -> str:
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("config", HEAD_ROW_CONFIGS, ids=_head_row_id)
 def test_head_rows_compile_within_each_architectures_limits(usage, config, kernel, arch):
-    _assert_fits(arch, usage[str(arch)][json.dumps(config)][kernel])
+    _assert_fits(arch, config, kernel, usage)

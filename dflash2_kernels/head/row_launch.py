@@ -11,15 +11,16 @@ waves of programs over the H200's 132 SMs (serving: 32 x 8 = 256 rows, two). Spl
 over programs (and merging partial sums in a second launch) would pay off only for chunks
 of fewer rows than SMs.
 
-Tiles (tests/test_triton_aot.py compiles the variants for sm_80 ... sm_120 and forbids
-spills): BLOCK_V = 2048 fp32 entries over 16 warps / 1024 fp64 over 8, i.e. 4 entries a
-thread, one 16-byte load per plane per tile. The wider the tile, the fewer per-tile
-reductions (each a cross-warp round through shared memory and a barrier) per entry.
-fp32 over 8 warps (8 entries a thread) took 75-94 registers with every loss and spilled
-on sm_100 (ptxas settled at 80); over 16 warps it takes 51-62 on every architecture,
-kl_div alone 37-40. With a softcap the tanh runs in fp64 (row_kernels._tanh64): 2
-entries a thread, BLOCK_V 512 over 8 warps for either dtype, at most 64 registers (1024
-over 16 warps spilled on sm_100 with every loss). Not measured on a GPU yet.
+Tiles (sm_90; tests/test_triton_aot.py compiles the variants for sm_80 ... sm_120 and forbids
+spills, but for the ones ptxas makes on sm_100 with every loss, listed there):
+BLOCK_V = 2048 fp32 / 1024 fp64 entries with 8 warps, i.e. 8 (4) entries a thread, two
+16-byte loads per plane per tile. The wider the tile, the fewer per-tile reductions
+(each a cross-warp round through shared memory and a barrier) per entry, and 8 entries a
+thread stay cheap in registers: kl_div with planes 39 a thread (six programs, 48 warps
+an SM), every loss 76 (three programs), fp64 every loss 96. With a softcap the tanh runs
+in fp64 (row_kernels._tanh64) and 4 fp32 entries a thread already spill (ptxas settles
+at 80 registers with every loss): 2 entries a thread there, BLOCK_V 1024 over 16 warps
+(fp32) or 512 over 8 (fp64), at most 72 registers. Not measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ KERNELS_INTERPRETED = type(draft_head_rows_fwd_kernel).__name__ == "InterpretedF
 
 # (plane dtype, softcap) -> (BLOCK_V, num_warps); see the module docstring.
 _TILES = {
-    (torch.float32, False): (2048, 16),  # 4 entries a thread: one 16-byte load a plane
-    (torch.float64, False): (1024, 8),  # 4 entries a thread: two 16-byte loads a plane
-    (torch.float32, True): (512, 8),  # 2 entries a thread: the fp64 tanh's registers
+    (torch.float32, False): (2048, 8),  # 8 entries a thread: two 16-byte loads a plane
+    (torch.float64, False): (1024, 8),  # 4 entries a thread: the same bytes
+    (torch.float32, True): (1024, 16),  # 2 entries a thread: the fp64 tanh's registers
     (torch.float64, True): (512, 8),
 }
 _MAX_PROGRAMS = 2**31 - 1
