@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.14.1
 PY := $(VENV)/bin/python
 # Everything the extension is built from: an edit to any of them rebuilds it (ninja
 # then recompiles only what the edit affects).
-EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml
+EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml dflash2_kernels/_cuda_archs.py
 
 .PHONY: env bench bench-selector traffic test test-asan test-oldest-torch check-cpu fuzz cuda-check clean
 
@@ -76,9 +76,16 @@ plots: $(VENV)/.ready
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet "matplotlib>=3.5"
 	$(PY) benchmarks/plot.py docs/results/records.jsonl $(wildcard bench_results/*.jsonl) --save docs/results/records.jsonl
 
-# The torch-free CUDA kernels alone, for sm_90: needs cmake and nvcc, not torch or a GPU.
+# The torch-free CUDA kernels alone, for every architecture of the default list (a build
+# without a GPU: dflash2_kernels/_cuda_archs.py), register spills as errors, then each
+# kernel's registers and shared memory against its architecture's limits (with a
+# cuobjdump: the toolkit's or Triton's). Needs cmake and nvcc, not torch or a GPU.
+CHECK_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 cuda-check:
-	cmake -S . -B build/cmake -DCMAKE_CUDA_COMPILER=$$(command -v nvcc) && cmake --build build/cmake -j 2
+	cmake -S . -B build/cmake -DCMAKE_CUDA_COMPILER=$$(command -v nvcc) \
+	  -DCMAKE_CUDA_ARCHITECTURES="$$($(CHECK_PY) dflash2_kernels/_cuda_archs.py --cmake --nvcc $$(command -v nvcc))"
+	cmake --build build/cmake -j 2
+	$(CHECK_PY) dflash2_kernels/_cuda_archs.py --check-resources build/cmake/libdflash2_cuda_kernels.a
 
 clean:
 	rm -rf $(VENV) .venv-oldest build *.egg-info bench_results dflash2_kernels/*.so

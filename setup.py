@@ -7,9 +7,10 @@ and a CUDA build of torch are present, also with no GPU visible; a CPU-only buil
 (``CppExtension``) otherwise. Switches:
 
 - ``DFLASH2_BUILD_CUDA=1`` forces the CUDA build (fails if impossible), ``=0`` skips it;
-- ``TORCH_CUDA_ARCH_LIST`` picks the architectures (default ``9.0+PTX``: sm_90 code plus
-  PTX that later GPUs JIT-compile). It is never left to detection: with no GPU
-  visible, detection yields an empty list;
+- ``TORCH_CUDA_ARCH_LIST`` picks the architectures. Without it: the visible GPUs' (plus
+  PTX of the newest); with no GPU visible, every architecture of the GPUs drafters use
+  that the toolkit offers, plus PTX of the newest (CUDA 13.0: ``8.0;8.6;8.9;9.0;10.0;12.0+PTX``;
+  dflash2_kernels/_cuda_archs.py). The build prints the list it took and why;
 - ``MAX_JOBS`` bounds parallel compile jobs (torch's own switch).
 
 The Triton kernels need no build: they compile at run time.
@@ -23,13 +24,18 @@ below), in the wheel of ``pip install .`` and in the editable one of ``pip insta
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+import re
 import shutil
+import subprocess
 
 from setuptools import Command, setup
 from setuptools.command.build import build
 
 STARTUP_PTH = "dflash2_kernels_startup.pth"
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _find_cuda_home() -> str | None:
@@ -68,6 +74,56 @@ def _want_cuda(torch) -> bool:
     return possible
 
 
+def _cuda_archs():
+    """dflash2_kernels/_cuda_archs.py, by path: the package cannot be imported before it is built."""
+    spec = importlib.util.spec_from_file_location("_dflash2_cuda_archs", os.path.join(HERE, "dflash2_kernels",
+                                                                                        "_cuda_archs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nvcc_version(nvcc: str) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else ""
+
+
+def _triton_version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:
+        return ""
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return ""
+
+
+def _cuda_arch_flags(torch, cuda_home: str) -> list[str]:
+    """Sets TORCH_CUDA_ARCH_LIST (_cuda_archs' rule) and returns the defines that tell the
+    extension what it holds (csrc/cuda_arch.h, csrc/registration.cpp)."""
+    archs = _cuda_archs()
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    arch_list, why = archs.choose_arch_list(os.environ, capabilities, lambda: archs.toolkit_archs(nvcc))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+    try:  # the -gencode flags torch will hand nvcc (it also reads torch's named architectures)
+        from torch.utils.cpp_extension import _get_cuda_arch_flags
+
+        codes = archs.codes_of_gencode_flags(_get_cuda_arch_flags())
+    except ImportError:
+        codes = archs.codes_of_arch_list(arch_list)
+    print(f"dflash2_kernels: CUDA code for {' '.join(codes)} (TORCH_CUDA_ARCH_LIST={arch_list}: {why})")
+    return [f'-DDFLASH2_CUDA_CODES="{" ".join(codes)}"', f'-DDFLASH2_CUDA_ARCH_LIST="{arch_list}"',
+            f'-DDFLASH2_BUILD_TORCH_CUDA="{torch.version.cuda}"', f'-DDFLASH2_BUILD_NVCC="{_nvcc_version(nvcc)}"',
+            f'-DDFLASH2_BUILD_TRITON="{_triton_version()}"']
+
+
 def _extensions():
     cuda_home = _find_cuda_home()
     if cuda_home and "CUDA_HOME" not in os.environ:
@@ -78,18 +134,18 @@ def _extensions():
     # No -std: torch.utils.cpp_extension picks the standard its headers need (C++20 for torch 2.14).
     # No fused multiply-adds: the CPU twin of the serving kernels rounds each product and sum
     # as the CUDA kernels do (__fmul_rn, __fadd_rn), so both compute bitwise equal edges.
-    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", f'-DDFLASH2_BUILD_TORCH="{torch.__version__}"']
     cpu_sources = sorted(glob.glob("csrc/*.cpp"))
     cuda_glue = [s for s in cpu_sources if s.endswith("_cuda.cpp")]
     cpu_sources = [s for s in cpu_sources if s not in cuda_glue]
     if _want_cuda(torch):
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
         extension = CUDAExtension(
             "dflash2_kernels._C",
             cpu_sources + cuda_glue + sorted(glob.glob("csrc/kernels/*.cu")),
             include_dirs=[os.path.abspath("csrc")],
             define_macros=[("DFLASH2_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx_flags + _cuda_arch_flags(torch, os.environ["CUDA_HOME"]),
+                                "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
     else:

@@ -85,6 +85,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dflash2_kernels as dk  # noqa: E402
+from dflash2_kernels.compat.compiled import uncompiled  # noqa: E402
 
 from common import Row, Timing, settled_peak_bytes, start_run, time_side_by_side, write_records  # noqa: E402
 
@@ -220,13 +221,17 @@ def train_step_fn(model, size: Size, device: torch.device, dtype: torch.dtype, c
     forward = model.forward
     if not compiled:
         # speculators decorated forward with torch.compile at import (when CUDA is up).
-        forward = getattr(type(model).forward, "_torchdynamo_orig_callable", type(model).forward).__get__(model)
+        forward = uncompiled(type(model).forward).__get__(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step():
         torch.manual_seed(0)  # the same anchors every step, on both sides
-        # The fused head is an instance-level forward (dk.patch(model, fused_head=True)).
-        _, loss, _ = vars(model).get("forward", forward)(**batch, **kwargs)
+        # The fused head is an instance-level forward (dk.patch(model, fused_head=True)),
+        # compiled where the class's is: eager too when the class's is run eager here.
+        fused = vars(model).get("forward")
+        if fused is not None and not compiled:
+            fused = uncompiled(fused.__func__).__get__(model)
+        _, loss, _ = (fused or forward)(**batch, **kwargs)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -14,12 +14,16 @@ NeMo draft model in place (sharing its Parameters); :func:`patch_speculators`,
 
 Memory: :func:`cpu_cache_bytes` and :func:`empty_cpu_cache` report and release what the
 C++ ops keep of their freed large CPU results for reuse (``DFLASH2_CPU_CACHE_MB``).
+
+The build: :func:`build_info` says what the extension was built with, the GPU
+architectures its CUDA kernels hold code for, and which implementation each op takes here.
 """
 
 from . import _extension  # registers the compiled ops before anything uses them
 from . import compat, reference
 from .conv import grouped_dynamic_conv
 from .head import DraftHeadOutput, draft_head
+from ._build_info import BuildInfo, build_info
 from .memory import cpu_cache_bytes, empty_cpu_cache
 from .modules import CandidateSelector, GroupedDynamicCausalConv
 from .compat.patch import patch, patch_nemo, patch_speculators, unpatch, unpatch_nemo, unpatch_speculators
@@ -31,10 +35,12 @@ from . import _autocast  # torch.autocast rules for the ops above (after they ar
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildInfo",
     "CandidateSelector",
     "DraftHeadOutput",
     "GroupedDynamicCausalConv",
     "__version__",
+    "build_info",
     "candidate_topk",
     "compat",
     "cpu_cache_bytes",

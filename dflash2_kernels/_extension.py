@@ -35,6 +35,8 @@ try:
 except ImportError as error:  # not built: pure-Python fallbacks take over
     EXTENSION_LOADED = False
     EXTENSION_ERROR = str(error)
+# The loaded module (its build_info, cuda_code_for: build_info.py), None when not built.
+EXTENSION = sys.modules.get(f"{__package__}._C") if EXTENSION_LOADED else None
 
 
 # Registration does not change while a graph is traced: torch.compile takes the answer

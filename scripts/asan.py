@@ -22,6 +22,7 @@ toolkit's headers (cuda_fp16.h, cuda_bf16.h, cuda_runtime_api.h; no GPU, no nvcc
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import shutil
@@ -70,6 +71,21 @@ TORCH_SOURCES = set(CPU_SOURCES) | {
     "csrc/emulation/serving_bindings.cpp",
 }
 ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer"]
+# The CUDA bindings compiled for the emulator check the emulated GPU's compute capability
+# against the code a build holds (csrc/device_binding.h): here the default list of a CUDA
+# 13.0 build, so that the tests can see which capabilities run and the error the others get.
+BINDING_SOURCES = {"csrc/emulation/selector_bindings.cpp", "csrc/emulation/serving_bindings.cpp"}
+
+
+def emulated_build_codes() -> list[str]:
+    """-D flags naming the code the emulated build stands for: every architecture of
+    dflash2_kernels/_cuda_archs.py's TARGETS, plus PTX of the newest."""
+    spec = importlib.util.spec_from_file_location("_dflash2_cuda_archs", ROOT / "dflash2_kernels" / "_cuda_archs.py")
+    archs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(archs)
+    arch_list = archs.default_arch_list(archs.TARGETS)
+    codes = " ".join(archs.codes_of_arch_list(arch_list))
+    return [f'-DDFLASH2_CUDA_CODES="{codes}"', f'-DDFLASH2_CUDA_ARCH_LIST="{arch_list}"']
 
 
 def cuda_include_dir() -> Path:
@@ -139,6 +155,7 @@ def ninja_file(cxx: str, asan: bool) -> str:
         f"common = {quote(common)}",
         f"torch_flags = {quote(torch_flags)}",
         f"kernel_flags = {quote(kernel_flags)}",
+        f"binding_flags = {quote(emulated_build_codes())}",
         "rule compile",
         "  command = $cxx $common $extra -MMD -MF $out.d -c $in -o $out",
         "  depfile = $out.d",
@@ -156,7 +173,8 @@ def ninja_file(cxx: str, asan: bool) -> str:
             if obj not in compiled:
                 compiled.add(obj)
                 lines.append(f"build {obj}: compile {ROOT / source}")
-                extra = ["$torch_flags"] * (source in TORCH_SOURCES) + ["$kernel_flags"] * (source in KERNEL_SOURCES)
+                extra = ["$torch_flags"] * (source in TORCH_SOURCES) + ["$kernel_flags"] * (source in KERNEL_SOURCES) \
+                    + ["$binding_flags"] * (source in BINDING_SOURCES)
                 lines.append(f"  extra = {' '.join(extra)}")
             names.append(obj)
         return names

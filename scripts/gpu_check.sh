@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one script for a GPU machine: build the CUDA extension (sm_90), the GPU tests, the
-# rest of the suite, the benchmarks. Every step's full log lands under $OUT (default
+# The one script for a GPU machine: build the CUDA extension (for the GPU it sees), the GPU
+# tests, the rest of the suite, the benchmarks. Every step's full log lands under $OUT (default
 # ./gpu_check_out) with env.txt and summary.txt; the console gets one line per step and
 # the summary last.
 #   DFLASH2_COMMIT=$(git rev-parse --short=12 HEAD) OUT=/some/dir bash scripts/gpu_check.sh
@@ -16,10 +16,13 @@
 #   build           150  the CUDA build takes ~60 s there with 16 jobs; nothing else is
 #                        worth much without it, so it gets the widest margin
 #   kernels          30  import check: are the CUDA kernels registered, is a GPU visible
+#   arch             30  dk.build_info(): the GPU's compute capability against the code
+#                        the build holds (fails when the GPU runs none of it)
 #   tests_gpu       120  161 tests, cold Triton cache: one JIT compile per kernel
 #                        specialization plus two inductor compiles (fullgraph tests)
-#   tests_rest      120  ~415 tests; the slow ones are the sm_90 AOT compile child
-#                        (~30 s), an inductor compile on CPU, and the conv's gradcheck
+#   tests_rest      120  ~415 tests; the slow ones are the AOT compile children (one an
+#                        architecture, in parallel: ~30 s), an inductor compile on CPU, and
+#                        the conv's gradcheck
 #   bench_conv       50  --no-compile, all five GPU shapes (the targets sit at
 #                        16384x4096, which --quick drops); torch.compile warm-up of the
 #                        reference would cost more than the whole step
@@ -42,6 +45,10 @@
 #                        collectives at world size 1), against the unsharded model; ~15 s
 #                        of imports, the steps themselves well under 1 s
 #   conv_compile    100  and selector_compile 90: Inductor's cold compiles
+#   fused_compiled  150  speculators' compiled training forward and NeMo's compiled draft,
+#                        upstream against the fused head (benchmarks/tools/
+#                        compiled_fused_steps.py): four cold Inductor compiles of a 2-layer
+#                        H 1024 drafter, then 10 timed steps a side
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -148,6 +155,16 @@ raise SystemExit(1 if missing or not torch.cuda.is_available() else 0)
 "
 grep -E '^CUDA (device visible|kernels registered)' "$OUT/kernels.log" >>"$OUT/env.txt" 2>/dev/null
 
+# The GPU's architecture against the build's (issue 30): what the build holds, what this
+# GPU runs of it, each op's backend here. A GPU it holds no code for fails the step.
+step arch 30 "$PY" -c "
+import dflash2_kernels as dk
+info = dk.build_info()
+print(info)
+raise SystemExit(0 if info.with_cuda and info.gpus and all(gpu.code for gpu in info.gpus) else 1)
+"
+grep -E '^(CUDA code|GPU): ' "$OUT/arch.log" >>"$OUT/env.txt" 2>/dev/null
+
 # -v names each test as it starts, so a timed-out log shows where it hung; --durations
 # sizes the next run's caps.
 PYTEST=("$PY" -m pytest -v -p no:cacheprovider --durations=15)
@@ -220,6 +237,11 @@ optional_step traffic_model 60 "$PY" benchmarks/traffic.py --gpu --out "$OUT/tra
 # Inductor's cold compiles dominate these (4 graphs for conv --quick, 3 for selector).
 optional_step conv_compile 100 "$PY" benchmarks/bench_conv.py --quick --out "$OUT/bench_compile.jsonl"
 optional_step selector_compile 90 "$PY" benchmarks/bench_selector.py --quick --out "$OUT/bench_compile.jsonl"
+
+# The fused head under the trainers' own torch.compile (issue 30): speculators' forward as
+# conditional_torch_compile compiles it, NeMo's draft as its compile: block does; each
+# side run and timed, upstream against ours+head.
+optional_step fused_compiled 150 "$PY" benchmarks/tools/compiled_fused_steps.py
 
 # pytest_line LOG STATUS: the final "N passed, ..." line of a pytest log; for a run
 # cut short, also the test it was in (-v prints its id before running it).

@@ -1,9 +1,11 @@
-"""Every conv and draft head row kernel configuration the launchers pick, compiled for
-sm_90 with no GPU.
+"""Every conv and draft head row kernel configuration the launchers pick, compiled with no
+GPU for every architecture of the default list (dflash2_kernels/_cuda_archs.py: sm_80,
+sm_86, sm_89, sm_90, sm_100, sm_120), each checked against that architecture's limits.
 
-This catches code-generation errors the interpreter cannot see, and register spills
-before a GPU ever runs the kernel. The compiling happens in one child process
-without TRITON_INTERPRET (see tests/triton_aot.py).
+This catches code-generation errors the interpreter cannot see, register spills, and
+blocks that would not fit a multiprocessor (registers, shared memory) before a GPU ever
+runs the kernel. The compiling happens in child processes without TRITON_INTERPRET (see
+tests/triton_aot.py), one a core, the architectures dealt out among them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
+
+from dflash2_kernels import _cuda_archs
 
 # (hidden, group size, taps, x / delta / base dtypes): the published drafters' shapes
 # and dtype mixes, plus the group sizes that change the tiling (not a power of two,
@@ -59,26 +64,67 @@ HEAD_ROW_CONFIGS = [
                        vocab=248_321)},
 ]
 REPO = Path(__file__).resolve().parents[1]
+ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]
 
 
 @pytest.fixture(scope="module")
-def sm90_usage():
+def usage():
+    """{arch: {config: {kernel: resource usage}}}, from children compiling at once."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, "-m", "tests.triton_aot"],
-        input=json.dumps(CONFIGS + HEAD_ROW_CONFIGS), capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout)
+    share = min(len(ARCHS), os.cpu_count() or 1)
+    children = [subprocess.Popen([sys.executable, "-m", "tests.triton_aot", *map(str, ARCHS[i::share])],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=REPO, env=env)
+                for i in range(share)]
+    found = {}
+    for child in children:
+        out, err = child.communicate(json.dumps(CONFIGS + HEAD_ROW_CONFIGS), timeout=900)
+        assert child.returncode == 0, err[-4000:]
+        found.update(json.loads(out))
+    return found
 
 
+# Spills ptxas chooses (Triton 3.8's, CUDA 13.0) to fit one more block on a
+# multiprocessor, 4-16 bytes a thread: {(configuration, kernel, arch): why}. Tile changes
+# move such spills to other configurations or architectures rather than remove them
+# (measured: the conv backward at 1024 elements spills with four taps instead; the head's
+# fp32 rows over 16 warps spill at V 248,321 instead), so the tiles wait for a GPU's
+# measurement. With Triton 3.8 each must still be there (a ptxas that stops spilling
+# fails the test, and the entry goes); every other limit holds for them too.
+KNOWN_SPILLS = {
+    **{(json.dumps([4096, 8, 3, BF16]), "backward", arch): "three taps: 128 registers to fit two blocks, 4 bytes"
+       for arch in (86, 89)},
+    **{(json.dumps(config), "forward", 100): "every loss: 80 (softcap: 64) registers to fit more blocks, 8-16 bytes"
+       for config in HEAD_ROW_CONFIGS
+       if config["head_rows"]["dtype"] == "float32" and config["head_rows"]["loss_mask"] == 0b11111
+       and config["head_rows"]["labels"] and "vocab" not in config["head_rows"]},
+}
+MEASURED_TRITON = triton.__version__.startswith("3.8.")
+
+
+def _assert_fits(arch: int, config, kernel: str, found: dict) -> None:
+    """No compile error, a block that fits one of ``arch``'s multiprocessors (registers,
+    shared memory), and no spill but a known one."""
+    usage = found[str(arch)][json.dumps(config)][kernel]
+    assert "error" not in usage, usage.get("error")
+    assert usage["registers"] <= _cuda_archs.REGISTERS_PER_THREAD, usage
+    assert usage["registers"] * usage["threads"] <= _cuda_archs.REGISTERS_PER_MULTIPROCESSOR, \
+        f"sm_{arch}: a block needs more registers than a multiprocessor has: {usage}"
+    limit = _cuda_archs.SHARED_MEMORY_KIB[divmod(arch, 10)] * 1024
+    assert usage["shared"] + usage["dynamic_shared"] <= limit, f"sm_{arch}: over {limit} bytes of shared memory: {usage}"
+    spilled = usage["local"] > 0 or usage["stack"] > 0
+    known = KNOWN_SPILLS.get((json.dumps(config), kernel, arch))
+    if known is None:
+        assert not spilled, f"sm_{arch}: register spills: {usage}"
+    elif MEASURED_TRITON:
+        assert spilled, f"sm_{arch}: the known spill ({known}) is gone: drop it from KNOWN_SPILLS ({usage})"
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"H{c[0]}-gs{c[1]}-K{c[2]}-{'-'.join(c[3])}")
-def test_compiles_for_sm90_without_spills(sm90_usage, config, kernel):
-    usage = sm90_usage[json.dumps(config)][kernel]
-    assert "error" not in usage, usage.get("error")
-    assert usage["local"] == 0 and usage["stack"] == 0, f"register spills: {usage}"
-    assert usage["registers"] <= 255
+def test_conv_compiles_within_each_architectures_limits(usage, config, kernel, arch):
+    _assert_fits(arch, config, kernel, usage)
 
 
 def _head_row_id(config) -> str:
@@ -89,10 +135,8 @@ def _head_row_id(config) -> str:
     return "head-" + "-".join(parts)
 
 
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 @pytest.mark.parametrize("config", HEAD_ROW_CONFIGS, ids=_head_row_id)
-def test_head_rows_compile_for_sm90_without_spills(sm90_usage, config, kernel):
-    usage = sm90_usage[json.dumps(config)][kernel]
-    assert "error" not in usage, usage.get("error")
-    assert usage["local"] == 0 and usage["stack"] == 0, f"register spills: {usage}"
-    assert usage["registers"] <= 255
+def test_head_rows_compile_within_each_architectures_limits(usage, config, kernel, arch):
+    _assert_fits(arch, config, kernel, usage)

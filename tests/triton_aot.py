@@ -1,12 +1,12 @@
-"""Ahead-of-time compilation of the launchers' Triton kernels for a GPU that is not here.
+"""Ahead-of-time compilation of the launchers' Triton kernels for GPUs that are not here.
 
-Run as ``python -m tests.triton_aot`` in a process without ``TRITON_INTERPRET``:
-under the interpreter even triton.language's own helpers (``tl.zeros``) are
-interpreter objects and cannot be compiled. It reads a JSON list of conv and
-draft head row configurations on stdin and prints, per configuration and kernel, the sm_90
-resource usage (or the compile error). Signatures and divisibility hints come from
-Triton's own run-time specializer, so what compiles here is what the launcher would
-JIT on the device.
+Run as ``python -m tests.triton_aot ARCH...`` (compute capabilities as numbers: 80 90 120)
+in a process without ``TRITON_INTERPRET``: under the interpreter even triton.language's
+own helpers (``tl.zeros``) are interpreter objects and cannot be compiled. It reads a
+JSON list of conv and draft head row configurations on stdin and prints, per
+architecture, configuration and kernel, the resource usage (or the compile error).
+Signatures and divisibility hints come from Triton's own run-time specializer, so what
+compiles here is what the launcher would JIT on the device.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def compile_launch(launch, target: GPUTarget = SM90):
     return triton.compile(source, target=target, options={"num_warps": launch.num_warps})
 
 
-def resource_usage(compiled) -> dict[str, int]:
-    """Registers, local (spill) bytes, stack and shared memory of a compiled kernel."""
+def resource_usage(compiled, num_warps: int) -> dict[str, int]:
+    """Registers, local (spill) bytes, stack, shared memory (static, and the dynamic bytes
+    Triton's launcher asks for) and threads of a compiled kernel's block."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -62,7 +63,8 @@ def resource_usage(compiled) -> dict[str, int]:
         ).stdout
     fields = dict(re.findall(r"(REG|LOCAL|STACK|SHARED):(\d+)", dump))
     return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"]),
-            "stack": int(fields["STACK"]), "shared": int(fields["SHARED"])}
+            "stack": int(fields["STACK"]), "shared": int(fields["SHARED"]),
+            "dynamic_shared": int(compiled.metadata.shared), "threads": 32 * num_warps}
 
 
 def conv_plans(hidden: int, group_size: int, taps: int, dtypes: list[str], rows: int = 4096) -> dict:
@@ -117,15 +119,20 @@ def plans_of(config) -> dict:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tests.triton_aot must run without TRITON_INTERPRET=1")
+    archs = [int(arch) for arch in sys.argv[1:]] or [90]
+    configs = json.load(sys.stdin)
+    plans = {json.dumps(config): plans_of(config) for config in configs}
     results = {}
-    for config in json.load(sys.stdin):
-        key = json.dumps(config)
-        results[key] = {}
-        for kernel, plan in plans_of(config).items():
-            try:
-                results[key][kernel] = resource_usage(compile_launch(plan))
-            except Exception as error:  # reported per configuration by the test
-                results[key][kernel] = {"error": f"{type(error).__name__}: {error}"}
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        results[str(arch)] = by_config = {}
+        for key, kernels in plans.items():
+            by_config[key] = {}
+            for kernel, plan in kernels.items():
+                try:
+                    by_config[key][kernel] = resource_usage(compile_launch(plan, target), plan.num_warps)
+                except Exception as error:  # reported per configuration by the test
+                    by_config[key][kernel] = {"error": f"{type(error).__name__}: {error}"}
     json.dump(results, sys.stdout)
 
 

@@ -1,7 +1,8 @@
 // torch.ops.dflash2_emulated.*: the CUDA kernels' ops with the schemas of their
 // torch.ops.dflash2 twins, run on CPU tensors by the SIMT runtime, plus the schedule
-// seed and the global-memory traffic counters (emulation/traffic.h). A test library: built by the test command (scripts/build_emulated.py), never by
-// a user's pip install.
+// seed, the emulated GPU's compute capability and the global-memory traffic counters
+// (emulation/traffic.h). A test library: built by the test command (scripts/asan.py), never
+// by a user's pip install.
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -30,6 +31,13 @@ at::Tensor traffic_probe(const at::Tensor& x, int64_t variant) {
   return out;
 }
 
+void set_device_capability(int64_t major, int64_t minor) {
+  TORCH_CHECK(major >= 1 && major <= 99 && minor >= 0 && minor <= 9,
+              "set_device_capability: a compute capability is major.minor with major in [1, 99] and minor in [0, 9], "
+              "got ", major, ".", minor);
+  emulation::set_device_capability(static_cast<int>(major), static_cast<int>(minor));
+}
+
 }  // namespace
 }  // namespace dflash2
 
@@ -46,4 +54,6 @@ TORCH_LIBRARY(dflash2_emulated, m) {
   m.def("traffic_stop() -> str", &dflash2::traffic_stop);
   // A copy kernel with planted traffic bugs (emulation/traffic_probe.h), for the tests.
   m.def("traffic_probe(Tensor x, int variant) -> Tensor", &dflash2::traffic_probe);
+  // The compute capability the emulated GPU reports from now on (default 9.0).
+  m.def("set_device_capability(int major, int minor) -> ()", &dflash2::set_device_capability);
 }

@@ -22,5 +22,11 @@ const char* last_launch_error();
 // their synchronisation points). One seed, one schedule.
 void set_schedule_seed(uint64_t seed);
 
+// The compute capability the emulated GPU reports to the bindings' check that the build
+// holds code for it (device_binding.h): 9.0 unless a test sets another, to see the error
+// a GPU without code gets.
+void set_device_capability(int major, int minor);
+void device_capability(int* major, int* minor);
+
 }  // namespace emulation
 }  // namespace dflash2

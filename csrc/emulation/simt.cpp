@@ -499,6 +499,18 @@ void set_schedule_seed(uint64_t seed) {
 
 const char* last_launch_error() { return last_error.c_str(); }
 
+namespace {
+std::atomic<int> emulated_capability{90};  // major * 10 + minor
+}  // namespace
+
+void set_device_capability(int major, int minor) { emulated_capability.store(major * 10 + minor); }
+
+void device_capability(int* major, int* minor) {
+  const int capability = emulated_capability.load();
+  *major = capability / 10;
+  *minor = capability % 10;
+}
+
 const char* kernel_name_from_signature(const char* signature, char* buffer, size_t buffer_size) {
   const char* start = std::strstr(signature, "Kernel = ");
   start = start ? start + 9 : signature;

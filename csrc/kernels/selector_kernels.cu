@@ -158,21 +158,32 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 
   for (int64_t first = 0; first < op.top_k; first += kCandidatesPerPass) {
     const int count = static_cast<int>(min(static_cast<int64_t>(kCandidatesPerPass), op.top_k - first));
+    // Lane j holds candidate j's id and hands it to the others as the loop needs it:
+    // hoisted out of the rank loop, 32 ids would hold 64 registers (and spill).
+    const int64_t lane_id = lane < count ? row_in.candidates[first + lane] : int64_t(-1);
     Acc dots[kCandidatesPerPass];
 #pragma unroll
     for (int j = 0; j < kCandidatesPerPass; ++j) dots[j] = Acc(0);
 
-    for (int64_t rho = static_cast<int64_t>(lane) * VEC; rho < op.rank; rho += kWarp * VEC) {
+    // Every lane runs every step (the shuffles need the whole warp); lanes past the rank
+    // load nothing.
+    for (int64_t step = 0; step < op.rank; step += kWarp * VEC) {
+      const int64_t rho = step + static_cast<int64_t>(lane) * VEC;
+      const bool in_rank = rho < op.rank;
       Acc a[VEC], p[VEC], context[VEC];
-      load_vector<VEC>(row_in.a_row + rho, a);
-      load_vector<VEC>(row_in.p_row + rho, p);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) context[i] = context_term(a[i], p[i]);
+      for (int i = 0; i < VEC; ++i) context[i] = Acc(0);
+      if (in_rank) {
+        load_vector<VEC>(row_in.a_row + rho, a);
+        load_vector<VEC>(row_in.p_row + rho, p);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) context[i] = context_term(a[i], p[i]);
+      }
       // Guards, not breaks: a fully unrolled loop keeps dots[] in registers.
 #pragma unroll
       for (int j = 0; j < kCandidatesPerPass; ++j) {
-        const int64_t id = j < count ? row_in.candidates[first + j] : -1;
-        if (id_in_range(id, op.vocab)) {
+        const int64_t id = __shfl_sync(kFullMask, lane_id, j);
+        if (in_rank && id_in_range(id, op.vocab)) {
           Acc b[VEC];
           load_vector<VEC>(row_in.b_table + id * op.successor_row_stride + rho, b);
 #pragma unroll
@@ -206,8 +217,12 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 // Per row n: g = sum_j dS[n, j] B[cand[n, j]]; dP[n] = A[pred[n]] * g; dA's term
 // P[n] * g into projected_times_g; dU[n, id] = the sum of dS[n, j] over the j with
 // cand[n, j] == id, written once per distinct id (so repeats round once).
+// At least kRowsPassBlocksPerSm blocks a multiprocessor, not the 16 of full occupancy:
+// that lets ptxas keep the ~48 registers the pass needs, where it would otherwise squeeze
+// it into 32 and spill (CUDA 13.0's ptxas, sm_80 ... sm_120: 8-12 bytes a thread).
+constexpr int kRowsPassBlocksPerSm = 8;
 template <typename W, typename P, int VEC>
-__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
+__global__ void __launch_bounds__(kWarp* kWarpsPerBlock, kRowsPassBlocksPerSm)
     selector_backward_rows_kernel(const SelectorBackwardParams params) {
   using Acc = accumulator_t<W>;
   const SelectorOperands& op = params.operands;

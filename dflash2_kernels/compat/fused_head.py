@@ -8,12 +8,10 @@ logits would have had, which the fused head rounds its logits to before top-k / 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-__all__ = ["head_weight", "heads_return_their_input", "logits_dtype_of", "logits_at"]
+__all__ = ["head_weight", "logits_at", "logits_dtype_of", "with_heads_returning_input"]
 
 
 def head_weight(head: nn.Module, name: str) -> torch.Tensor:
@@ -53,16 +51,21 @@ def _return_input(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-@contextlib.contextmanager
-def heads_return_their_input(*heads: nn.Module):
-    """While the block runs, ``head(x)`` returns ``x``: upstream's own forward then hands
-    back the normed hidden states it would have projected to [N, V] (module hooks still
-    run; the heads' weights are untouched)."""
+def with_heads_returning_input(heads, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` while each of ``heads`` returns its input: upstream's own
+    forward then hands back the normed hidden states it would have projected to [N, V]
+    (module hooks still run; the heads' weights are untouched).
+
+    A function, not a ``with`` block: upstream's backbone breaks torch.compile's graph (a
+    ``torch.compiler.disable``d mask builder), and Dynamo cannot resume a frame inside a
+    user context manager; it would run the caller's whole frame eager. Here the break
+    lands at this call, as it lands at upstream's own call of its backbone.
+    """
     saved = [(head, vars(head).get("forward")) for head in heads]
     try:
         for head in heads:
             head.forward = _return_input
-        yield
+        return fn(*args, **kwargs)
     finally:
         for head, forward in saved:
             if forward is None:

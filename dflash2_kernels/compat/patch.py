@@ -34,6 +34,7 @@ from torch import nn
 
 from .. import conv, modules
 from . import nemo, nemo_head, speculators_head
+from .compiled import compiled_like, is_compiled, uncompiled
 
 __all__ = [
     "PatchReport",
@@ -273,7 +274,7 @@ def _fuse_heads(model: nn.Module, report: PatchReport) -> None:
         found = True
         trainer = _TRAINERS[cls.__name__]
         label = f"{name or '<the model itself>'}.forward"
-        if trainer.forward in (_instance_forward(module), type(module).forward):
+        if trainer.forward in (uncompiled(_instance_forward(module)), uncompiled(type(module).forward)):
             report.already.append(label)  # by an earlier patch, or the package's (class-level)
             report.fused_head = True
             continue
@@ -282,16 +283,21 @@ def _fuse_heads(model: nn.Module, report: PatchReport) -> None:
             report.skipped.append(Skipped(label, _qualified(type(module)), reason))
             continue
         upstream = type(module).forward
-        module.forward = types.MethodType(trainer.forward, module)
-        report.replaced.append(Replacement(label, _qualified(upstream), _qualified(trainer.forward)))
+        # Compiled where upstream's is (speculators' conditional_torch_compile on CUDA).
+        module.forward = types.MethodType(compiled_like(upstream, trainer.forward), module)
+        report.replaced.append(Replacement(label, _qualified(upstream), _fused_name(upstream, trainer.forward)))
         report.fused_head = True
     if not found:
         report.skipped.append(Skipped("fused_head", _qualified(type(model)), _NO_TRAINER))
 
 
+def _fused_name(upstream, ours) -> str:
+    return _qualified(ours) + (" (compiled as upstream's)" if is_compiled(upstream) else "")
+
+
 def _unfuse_heads(model: nn.Module, report: PatchReport) -> None:
     for name, module in model.named_modules():
-        ours = _instance_forward(module)
+        ours = uncompiled(_instance_forward(module))
         if ours in _FUSED_FORWARDS:
             del module.forward
             report.replaced.append(Replacement(f"{name or '<the model itself>'}.forward",
@@ -321,8 +327,10 @@ def patch(model: nn.Module, *, fused_head: bool = False) -> PatchReport:
     attribute: the class is untouched) that computes the losses, the selector's
     candidates and every logged metric with :func:`dflash2_kernels.draft_head`, never
     holding [N, V] logits (docs/integration.md, "The fused head in the training step"); the report
-    lists those forwards and says ``fused head: on``. Off by default until it is
-    measured on a GPU.
+    lists those forwards and says ``fused head: on``. Where the class's forward is
+    compiled (speculators compiles it whenever CUDA is available), ours is compiled by the
+    same ``torch.compile`` (compat/compiled.py). Off by default until it is measured on a
+    GPU.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
@@ -494,13 +502,14 @@ def _install_fused_forward(package: str, class_name: str, report: PatchReport) -
         raise ImportError(f"dflash2_kernels.patch_{package}(fused_head=True) needs {trainer.home}.{class_name} "
                           f"({error}).") from error
     current = vars(cls).get("forward")
-    if current is trainer.forward:
+    if uncompiled(current) is trainer.forward:
         report.already.append(f"{_qualified(cls)}.forward")
     else:
-        _INSTALLED.setdefault(package, []).append((cls, "forward", current, trainer.forward))
-        cls.forward = trainer.forward
+        ours = compiled_like(current, trainer.forward)  # compiled where upstream's is
+        _INSTALLED.setdefault(package, []).append((cls, "forward", current, ours))
+        cls.forward = ours
         report.replaced.append(Replacement(f"{_qualified(cls)}.forward", _qualified(current),
-                                           _qualified(trainer.forward)))
+                                           _fused_name(current, trainer.forward)))
     report.fused_head = True
 
 
@@ -513,7 +522,7 @@ def _install(package: str, root: str, targets: list[_Target]) -> PatchReport:
     for module, attribute, _, ours in installed:
         if getattr(module, attribute, None) is ours:
             report.already.append(f"{_holder_name(module)}.{attribute}")
-            report.fused_head |= ours in _FUSED_FORWARDS
+            report.fused_head |= uncompiled(ours) in _FUSED_FORWARDS
     # Scanned again on every call: a module imported since the last one may hold an
     # upstream name of its own.
     for module, attribute in _aliases(root, originals):
@@ -557,8 +566,10 @@ def patch_speculators(*, fused_head: bool = False) -> PatchReport:
     ``fused_head=True`` also replaces ``DFlash2DraftModel.forward`` (the class's, so
     every draft model, built before or after, trains with it) by one that computes its
     losses, candidates and metrics with :func:`dflash2_kernels.draft_head`, never
-    holding [N, V] logits; the report says ``fused head: on``. ``fused_head=False``
-    installs no forward and removes none (:func:`unpatch_speculators` does).
+    holding [N, V] logits; the report says ``fused head: on``. On a machine with CUDA
+    upstream's forward is compiled (``conditional_torch_compile``): ours is then compiled
+    by the same ``torch.compile``. ``fused_head=False`` installs no forward and removes
+    none (:func:`unpatch_speculators` does).
     """
     _check_flag(fused_head)
     report = _install(_SPECULATORS, "speculators", _speculators_targets())

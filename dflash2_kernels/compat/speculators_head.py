@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..head import draft_head
-from .fused_head import head_weight, heads_return_their_input, logits_at, logits_dtype_of
+from .fused_head import head_weight, logits_at, logits_dtype_of, with_heads_returning_input
 
 __all__ = ["fused_forward", "loss_terms"]
 
@@ -182,10 +182,9 @@ def fused_forward(
     weight = head_weight(self.lm_head, "lm_head")
     target_weight = head_weight(self.verifier_lm_head, "verifier_lm_head")
     terms = loss_terms(loss_config or core._DEFAULT_LOSS_CONFIG)
-    with heads_return_their_input(self.lm_head, self.verifier_lm_head):
-        hidden, _, target_hidden, aligned_loss_mask, block_indices = self._backbone_forward(
-            hidden_states, input_ids, loss_mask, verifier_last_hidden_states, document_ids, position_ids,
-            max_anchors=max_anchors, **kwargs)
+    hidden, _, target_hidden, aligned_loss_mask, block_indices = with_heads_returning_input(
+        (self.lm_head, self.verifier_lm_head), self._backbone_forward, hidden_states, input_ids, loss_mask,
+        verifier_last_hidden_states, document_ids, position_ids, max_anchors=max_anchors, **kwargs)
     predecessor_ids = self._predecessor_ids(input_ids, block_indices)
     top_k = self.candidate_selector.top_k
     rows = sorted({row for _, name, _, _ in terms for row in _ROWS_OF[name]})

@@ -11,7 +11,8 @@ waves of programs over the H200's 132 SMs (serving: 32 x 8 = 256 rows, two). Spl
 over programs (and merging partial sums in a second launch) would pay off only for chunks
 of fewer rows than SMs.
 
-Tiles (sm_90; tests/test_triton_aot.py compiles the variants and forbids spills):
+Tiles (sm_90; tests/test_triton_aot.py compiles the variants for sm_80 ... sm_120 and forbids
+spills, but for the ones ptxas makes on sm_100 with every loss, listed there):
 BLOCK_V = 2048 fp32 / 1024 fp64 entries with 8 warps, i.e. 8 (4) entries a thread, two
 16-byte loads per plane per tile. The wider the tile, the fewer per-tile reductions
 (each a cross-warp round through shared memory and a barrier) per entry, and 8 entries a
