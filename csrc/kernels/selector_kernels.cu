@@ -307,8 +307,11 @@ __device__ __forceinline__ void add_contribution(const SelectorBackwardParams& p
 }
 
 // Pass 1 of a segmented sum: one warp per chunk of kSegmentChunk sorted entries.
+// A minimum of 4 blocks per multiprocessor (a 64-register cap, above what it uses): without
+// one, sm_80's ptxas spilled 8 bytes in the float64 successor instance (two 16-byte stores
+// per piece); any explicit minimum keeps it in 44 registers.
 template <typename W, typename P, int VEC, bool kSuccessors>
-__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
+__global__ void __launch_bounds__(kWarp* kWarpsPerBlock, 4)
     selector_segment_chunks_kernel(const SelectorBackwardParams params, const int64_t* __restrict__ sorted_ids,
                                    const int64_t* __restrict__ order, int64_t entries,
                                    accumulator_t<W>* __restrict__ partials, W* __restrict__ grad_table) {
