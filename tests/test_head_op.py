@@ -8,7 +8,7 @@ import torch
 
 import dflash2_kernels as dk
 from dflash2_kernels import reference
-from dflash2_kernels.head.api import TILE_ENV, tile_rows_for
+from dflash2_kernels.head.tiles import TILE_ENV, tile_rows_for
 
 from .head_cases import make_inputs
 

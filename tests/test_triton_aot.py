@@ -58,6 +58,9 @@ HEAD_ROW_CONFIGS = [
     {"head_rows": dict(dtype="float32", loss_mask=0b11111, target=True, labels=True, softcap=False, grads=True,
                        vocab=248_321)},
 ]
+# The top-k kernel: 32-bit keys (fp16 / bf16 / fp32 values) and 64-bit ones (fp64).
+HEAD_TOPK_CONFIGS = [{"head_topk": dict(dtype=dtype)} for dtype in ("bfloat16", "float16", "float32", "float64")]
+HEAD_KERNELS = ["forward", "backward", "shard_stats", "shard_shares", "shard_planes", "shard_backward"]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,7 +69,7 @@ def sm90_usage():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = subprocess.run(
         [sys.executable, "-m", "tests.triton_aot"],
-        input=json.dumps(CONFIGS + HEAD_ROW_CONFIGS), capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
+        input=json.dumps(CONFIGS + HEAD_ROW_CONFIGS + HEAD_TOPK_CONFIGS), capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
     )
     assert child.returncode == 0, child.stderr[-4000:]
     return json.loads(child.stdout)
@@ -89,10 +92,18 @@ def _head_row_id(config) -> str:
     return "head-" + "-".join(parts)
 
 
-@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("kernel", HEAD_KERNELS)
 @pytest.mark.parametrize("config", HEAD_ROW_CONFIGS, ids=_head_row_id)
 def test_head_rows_compile_for_sm90_without_spills(sm90_usage, config, kernel):
     usage = sm90_usage[json.dumps(config)][kernel]
+    assert "error" not in usage, usage.get("error")
+    assert usage["local"] == 0 and usage["stack"] == 0, f"register spills: {usage}"
+    assert usage["registers"] <= 255
+
+
+@pytest.mark.parametrize("config", HEAD_TOPK_CONFIGS, ids=lambda c: "topk-" + c["head_topk"]["dtype"])
+def test_head_topk_compiles_for_sm90_without_spills(sm90_usage, config):
+    usage = sm90_usage[json.dumps(config)]["topk"]
     assert "error" not in usage, usage.get("error")
     assert usage["local"] == 0 and usage["stack"] == 0, f"register spills: {usage}"
     assert usage["registers"] <= 255
