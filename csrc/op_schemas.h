@@ -77,5 +77,10 @@ constexpr const char* kDraftHeadShardRowsCpu =
     "float logit_scale, float softcap, Tensor row_stats, bool transform, bool shares, Tensor(c!)? loss_grads, "
     "Tensor? grad_losses) -> Tensor";
 
+// An uninitialized contiguous CPU tensor of `size` and `dtype` from the CPU result cache
+// (csrc/cpu_result_cache.h): the draft head's per-chunk [R, V] buffers, which a fresh
+// allocation would page-fault in on every call.
+constexpr const char* kCpuCachedEmpty = "cpu_cached_empty(int[] size, ScalarType dtype) -> Tensor";
+
 }  // namespace schemas
 }  // namespace dflash2

@@ -39,7 +39,8 @@ TORCH_LIBRARY(dflash2, m) {
   using namespace dflash2::schemas;
   for (const char* schema : {kConvForwardCpu, kConvBackwardCpu, kSelectorScores, kSelectorScoresBackward,
                              kCandidateTopk, kSelectPath, kRejectionSample, kDraftHeadRowsCpu,
-                             kDraftHeadRowsBackwardCpu, kDraftHeadShardStatsCpu, kDraftHeadShardRowsCpu}) {
+                             kDraftHeadRowsBackwardCpu, kDraftHeadShardStatsCpu, kDraftHeadShardRowsCpu,
+                             kCpuCachedEmpty}) {
     m.def(schema);
   }
 }

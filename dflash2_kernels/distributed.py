@@ -81,6 +81,7 @@ NO_RULE = {
     "draft_head_rows_backward_cpu": "internal, in-place row-chunk kernel of draft_head's backward",
     "draft_head_shard_stats_cpu": "internal, in-place row-chunk kernel of the vocab-parallel draft_head (local shards)",
     "draft_head_shard_rows_cpu": "internal, in-place row-chunk kernel of the vocab-parallel draft_head (local shards)",
+    "cpu_cached_empty": "an allocation (no tensor argument): the draft head's chunk buffers",
 }
 
 # The public names of the ops' arguments, for the messages.

@@ -56,6 +56,9 @@ CASES = {
                          (12, 50, 16, F32, F32, ("kl_div", "rkl", "ce"), 6, 1.0, None, "given", None), False),
     "w2-triton-recompute": (2, "chunk", "explicit-triton",
                             (12, 45, 16, F32, F32, ("jsd", "tv"), 5, 0.8, 3.0, "none", None), True),
+    # Training rows: dW accumulated over 16,384 rows in chunks of 64, per shard.
+    "w2-training-rows-grad": (2, [(0, 29), (29, 19)], "explicit",
+                              (16_384, 48, 8, F32, F32, ("kl_div", "ce"), 4, 1.0, None, "given", 0.03), True),
     "w3-dtensor-uneven": (3, "chunk", "dtensor", (48, 37, 16, F32, F32, ALL, 16, 1.0, None, "given", 0.003), True),
     "w3-bf16-weight": (3, [(0, 20), (20, 2), (22, 15)], "explicit",
                        (32, 37, 16, F32, BF16, ("kl_div", "rkl"), 8, 1.0, None, "given", None), False),
@@ -262,7 +265,38 @@ def _extras(rank: int, world: int) -> dict:
     at = logits_at_ids(hh, ww, ids, vocab_start=rank * 20, group=group, logit_scale=0.7, softcap=2.0)
     grad_h, grad_w = torch.autograd.grad((at * torch.arange(5.0)).sum(), [hh, ww])
     results["logits_at_ids"] = (at.detach(), grad_h, grad_w, ids)
+    results["ties"] = _ties(rank, world)
     return results
+
+
+def _tied_inputs():
+    """Dyadic hidden and W (every logit exact in float32, whatever the summation order) with
+    rows of W repeated across the shard edge (ids 5 / 27, 9 / 23 / 33, 12 / 30): equal logits
+    in different shards, which must rank by global id."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randint(-4, 5, (6, 8), generator=gen).float() / 4
+    weight = torch.randint(-8, 9, (40, 8), generator=gen).float() / 16
+    target = torch.randint(-4, 5, (6, 8), generator=gen).float() / 4
+    weight[27] = weight[5].clone()
+    weight[[23, 33]] = weight[9].clone()
+    weight[30] = weight[12].clone()
+    return hidden, weight, target
+
+
+def _ties(rank: int, world: int) -> dict:
+    """Top-k with ties across the shards, K = 12 and K = V = 40, in float32 and rounded to bf16."""
+    import torch.distributed as dist
+
+    hidden, weight, target = _tied_inputs()
+    size = 40 // world
+    local = weight[rank * size:(rank + 1) * size]
+    out = {}
+    for top_k in (12, 40):
+        for dtype in (F32, BF16):
+            head = dk.draft_head(hidden, local, vocab_start=rank * size, group=dist.group.WORLD, target_hidden=target,
+                                 top_k=top_k, logits_dtype=dtype, losses=("kl_div",))
+            out[(top_k, dtype)] = (head.topk_ids, head.draft_argmax, head.target_argmax)
+    return out
 
 
 def _worker(rank: int, out_dir: str, world: int, names: list) -> None:
@@ -545,6 +579,19 @@ def test_autocast_changes_nothing(world2):
     for per_rank in world2:
         plain, cast = per_rank["extras"]["autocast"]
         _assert_identical(cast, plain, "autocast")
+
+
+def test_ties_across_shards_take_the_lower_global_id(world2):
+    """Equal logits in different shards rank by global id, the K-th place and K = V included."""
+    hidden, weight, target = _tied_inputs()
+    for per_rank in world2:
+        for (top_k, dtype), (ids, argmax, target_argmax) in per_rank["extras"]["ties"].items():
+            rounded = reference.draft_head_logits(hidden.double(), weight.double()).to(dtype)
+            order = torch.sort(rounded, dim=-1, descending=True, stable=True).indices
+            assert torch.equal(ids, order[:, :top_k]), (top_k, dtype)
+            assert torch.equal(argmax, order[:, 0])
+            target_rounded = reference.draft_head_logits(target.double(), weight.double()).to(dtype)
+            assert torch.equal(target_argmax, torch.argmax(target_rounded, dim=-1))
 
 
 def test_logits_at_ids(world2):

@@ -16,6 +16,7 @@ import torch
 from . import gemm
 from .checks import IGNORE_INDEX
 from .rows import logit_slope
+from .tiles import chunk_planes
 
 # Bytes of the W rows the backward gathers at once for the top-k logits' gradient.
 SPARSE_BYTES = 32 << 20
@@ -105,8 +106,8 @@ def recomputed_grads(grad_losses: torch.Tensor, sparse: SparseLogits, hidden: to
     target_weight = weight if target_weight is None else target_weight
     grad_hidden = torch.zeros((rows, width), dtype=dtype, device=hidden.device) if need_hidden else None
     grad_weight = torch.zeros((vocab, width), dtype=dtype, device=hidden.device) if need_weight else None
-    logits = torch.empty((chunk, vocab), dtype=dtype, device=hidden.device)
-    target_logits = torch.empty_like(logits) if target_hidden is not None else None
+    logits = chunk_planes((chunk, vocab), dtype, hidden.device)
+    target_logits = chunk_planes((chunk, vocab), dtype, hidden.device) if target_hidden is not None else None
     weights = grad_losses.to(dtype)
     for start in range(0, rows, max(chunk, 1)):
         stop = min(rows, start + chunk)

@@ -25,6 +25,7 @@ from . import gemm
 from .checks import HEAD_FLOATS, IGNORE_INDEX, check_head_args, has_data, loss_count
 from .grads import SparseLogits, grads_from_planes, recomputed_grads
 from .rows import row_functions
+from .tiles import chunk_planes
 
 
 def _check_op_args(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale, softcap,
@@ -84,9 +85,9 @@ def draft_head_op(
     argmaxes = [torch.empty(rows, dtype=torch.long, **make) for _ in range(2)]
     at_topk = torch.empty((rows, top_k), dtype=torch.float32, **make)
     hidden_grads = torch.empty(planes_shape, dtype=dtype, **make)
-    logits = torch.empty((chunk, vocab), dtype=dtype, **make)
-    target_logits = torch.empty((chunk, vocab), dtype=dtype, **make) if target_hidden is not None else None
-    loss_planes = torch.empty((losses, chunk, vocab), dtype=dtype, **make) if hidden_grads.dim() == 3 else None
+    logits = chunk_planes((chunk, vocab), dtype, hidden.device)
+    target_logits = chunk_planes((chunk, vocab), dtype, hidden.device) if target_hidden is not None else None
+    loss_planes = chunk_planes((losses, chunk, vocab), dtype, hidden.device) if hidden_grads.dim() == 3 else None
     for start in range(0, rows, max(chunk, 1)):
         stop = min(rows, start + chunk)
         count = stop - start

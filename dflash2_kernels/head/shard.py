@@ -51,7 +51,7 @@ from . import gemm
 from .checks import IGNORE_INDEX, SOFT_LOSS_MASK, loss_count, loss_names
 from .grads import SparseLogits, grads_from_planes, recomputed_grads
 from .rows import shard_row_functions
-from .tiles import keeps_hidden_grads, tile_rows_for
+from .tiles import chunk_planes, keeps_hidden_grads, tile_rows_for
 
 __all__ = ["ShardPlan", "all_gather_ranks", "all_reduce_sum", "shard_head"]
 
@@ -286,9 +286,9 @@ class _ShardHead(torch.autograd.Function):
         hidden_grads = torch.zeros((losses, rows, width) if planes_kept else (0,), dtype=dtype, device=device)
         rows_fns = shard_row_functions(device)
         chunk = max(1, min(rows, tile_rows))
-        logits = torch.empty((chunk, local), dtype=dtype, device=device)
-        target_logits = torch.empty_like(logits) if has_target else None
-        loss_planes = torch.empty((losses, chunk, local), dtype=dtype, device=device) if planes_kept else None
+        logits = chunk_planes((chunk, local), dtype, device)
+        target_logits = chunk_planes((chunk, local), dtype, device) if has_target else None
+        loss_planes = chunk_planes((losses, chunk, local), dtype, device) if planes_kept else None
         for begin in range(0, rows, chunk):
             end = min(rows, begin + chunk)
             count = end - begin
