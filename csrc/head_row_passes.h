@@ -142,12 +142,49 @@ struct RowTopK {
     kept.push_back({order, id});
     if (kept.size() >= capacity) keep_best();
   }
+  // packed <- its k largest entries (in no order), by a radix select from the top byte:
+  // each step keeps what is surely in, and narrows to the byte value the k-th has (a few
+  // passes over the set, no data-dependent branch per compare, as nth_element has);
+  // returns the k-th largest.
+  uint64_t select_packed() {
+    scratch.clear();
+    size_t begin = 0, end = packed.size(), need = static_cast<size_t>(k);
+    uint64_t* data = packed.data();
+    for (int shift = 56; shift >= 0 && end - begin > need; shift -= 8) {
+      if (end - begin <= 64) {  // a handful left: a comparison sort's selection is as fast
+        std::nth_element(data + begin, data + begin + (need - 1), data + end, std::greater<uint64_t>());
+        end = begin + need;
+        break;
+      }
+      size_t count[256] = {};
+      for (size_t i = begin; i < end; ++i) ++count[(data[i] >> shift) & 0xFF];
+      int digit = 255;
+      size_t above = 0;
+      for (; above + count[digit] < need; --digit) above += count[digit];
+      // Those above the k-th's digit are in; those at it go on to the next byte.
+      size_t equal = begin;
+      for (size_t i = begin; i < end; ++i) {
+        const int d = static_cast<int>((data[i] >> shift) & 0xFF);
+        if (d > digit) {
+          scratch.push_back(data[i]);
+        } else if (d == digit) {
+          data[equal++] = data[i];
+        }
+      }
+      end = equal;
+      need -= above;
+    }
+    // What is left of the k-th's bucket, [begin, end), holds exactly `need` of the best.
+    scratch.insert(scratch.end(), data + begin, data + begin + need);
+    uint64_t kth = data[begin];
+    for (size_t i = begin; i < begin + need; ++i) kth = std::min(kth, data[i]);
+    packed.swap(scratch);
+    return kth;
+  }
   void keep_best() {
     has_bar = compacted = true;
     if (packed_keys) {
-      std::nth_element(packed.begin(), packed.begin() + (k - 1), packed.end(), std::greater<uint64_t>());
-      packed.resize(static_cast<size_t>(k));
-      bar_packed = packed[k - 1];  // nth_element: no kept candidate ranks below it
+      bar_packed = select_packed();
       uint32_t order = static_cast<uint32_t>(bar_packed >> 32);
       const uint32_t bits = (order >> 31) ? order & 0x7FFFFFFFu : ~order;
       float value;
@@ -182,10 +219,7 @@ struct RowTopK {
       if (!compacted && packed.size() >= kRadixFrom) {
         radix_sort_packed();
       } else {
-        if (packed.size() > static_cast<size_t>(k)) {
-          std::nth_element(packed.begin(), packed.begin() + (k - 1), packed.end(), std::greater<uint64_t>());
-          packed.resize(static_cast<size_t>(k));
-        }
+        if (packed.size() > static_cast<size_t>(k)) select_packed();
         std::sort(packed.begin(), packed.end(), std::greater<uint64_t>());
       }
       return;
