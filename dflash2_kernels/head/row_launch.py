@@ -332,9 +332,9 @@ def shard_rows_triton(logits, target_logits, labels, loss_mask, logit_scale, sof
     draft_head_shard_rows_cpu, on CUDA): labels [R] local (-1: on another shard), row_stats
     [R, 7] float64 (the merged normalisers and sums) -> shares [R, 6] float64 (or [0, 6]);
     dL/ds into loss_grads [L, R, V_local], or with grad_losses [L, R] over logits."""
-    rows, vocab = _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap, absent_labels=True)
     if labels is None:
         raise TypeError("labels must be a torch.Tensor ([R] int64: local ids, -1 elsewhere, -100 ignored), got None.")
+    rows, vocab = _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap, absent_labels=True)
     _check_matrix("row_stats", row_stats, (rows, 7), torch.float64, logits.device)
     losses_n = loss_count(loss_mask)
     if loss_grads is not None and grad_losses is not None:

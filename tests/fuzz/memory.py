@@ -22,7 +22,9 @@ REAL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torc
 def cpu_cached_empty_case(draw: Draw) -> Case:
     """dflash2::cpu_cached_empty(size int[], dtype) -> Tensor."""
     dims = draw.integer(0, 3)
-    size = [draw.size(0, 600, edges=(0, 1, 16385)) for _ in range(dims)]
+    size = [draw.size(0, 70, edges=(0, 1)) for _ in range(dims)]  # at most 343k elements
+    if draw.chance(0.3):  # from 64 KiB (16,384 floats) up: memory from the cache itself
+        size = [draw.integer(16_384, 70_000)]
     dtype = draw.pick(REAL_DTYPES)
     args = dict(size=size, dtype=dtype)
     op = torch.ops.dflash2.cpu_cached_empty
