@@ -82,8 +82,9 @@ from common import (  # noqa: E402
 )
 
 TOP_K = 16
-SOFT, CE = "kl_div+tv", "ce labels"
+SOFT, CE, KL, SERVING = "kl_div+tv", "ce labels", "kl_div", "serving"
 SOFT_LOSSES = ("kl_div", "tv")
+FORM_LOSSES = {SOFT: SOFT_LOSSES, KL: ("kl_div",), CE: ("ce",), SERVING: ()}
 FUSED_IMPL = "speculators fused"
 
 
@@ -130,17 +131,28 @@ def _draft_head():
     return reference.draft_head, "dflash2_kernels.reference.draft_head (standing in: no dflash2_kernels.draft_head)"
 
 
+def head_call(head, form: str, top_k: int = TOP_K, **extra):
+    """fn(hidden, weight, other) calling ``head`` (dk.draft_head or the dense reference) in ``form``."""
+    if form == CE:
+        def fn(hidden, weight, labels):
+            out = head(hidden, weight, labels=labels, losses=("ce",), top_k=top_k, **extra)
+            return [out.losses["ce"]], out.topk_logits, out.topk_ids
+    elif form == SERVING:
+        def fn(hidden, weight, _):
+            out = head(hidden, weight, losses=(), top_k=top_k, **extra)
+            return [], out.topk_logits, out.topk_ids
+    else:
+        losses = FORM_LOSSES[form]
+
+        def fn(hidden, weight, target_hidden):
+            out = head(hidden, weight, target_hidden=target_hidden, losses=losses, top_k=top_k, **extra)
+            return [out.losses[n] for n in losses], out.topk_logits, out.topk_ids
+    return fn
+
+
 def ours(form: str):
     head, name = _draft_head()
-    if form == SOFT:
-        def fn(hidden, weight, target_hidden):
-            out = head(hidden, weight, target_hidden=target_hidden, losses=SOFT_LOSSES, top_k=TOP_K)
-            return [out.losses[n] for n in SOFT_LOSSES], out.topk_logits, out.topk_ids
-    else:
-        def fn(hidden, weight, labels):
-            out = head(hidden, weight, labels=labels, losses=("ce",), top_k=TOP_K)
-            return [out.losses["ce"]], out.topk_logits, out.topk_ids
-    return fn, name
+    return head_call(head, form), name
 
 
 def _speculators_losses():
@@ -175,15 +187,7 @@ def dense_ce(hidden, weight, labels):
 
 def dense_reference(form: str):
     """The fallback when speculators cannot be imported: the package's dense reference."""
-    if form == SOFT:
-        def fn(hidden, weight, target_hidden):
-            out = reference.draft_head(hidden, weight, target_hidden=target_hidden, losses=SOFT_LOSSES, top_k=TOP_K)
-            return [out.losses[n] for n in SOFT_LOSSES], out.topk_logits, out.topk_ids
-    else:
-        def fn(hidden, weight, labels):
-            out = reference.draft_head(hidden, weight, labels=labels, losses=("ce",), top_k=TOP_K)
-            return [out.losses["ce"]], out.topk_logits, out.topk_ids
-    return fn
+    return head_call(reference.draft_head, form)
 
 
 def eager(form: str):
@@ -221,7 +225,7 @@ class Inputs:
     """One shape's tensors: h, W, t_h, labels and the upstream gradients (seeded: the memory
     pass rebuilds the same ones)."""
 
-    def __init__(self, shape: Shape, device: torch.device):
+    def __init__(self, shape: Shape, device: torch.device, top_k: int = TOP_K):
         torch.manual_seed(0)
         options = {"device": device, "dtype": shape.dtype}
         self.hidden = torch.randn(shape.rows, shape.hidden, **options)
@@ -229,7 +233,7 @@ class Inputs:
         # scaled so that the logits have unit spread, as a trained head's roughly do
         self.weight = torch.randn(shape.vocab, shape.hidden, **options) / shape.hidden ** 0.5
         self.labels = torch.randint(0, shape.vocab, (shape.rows,), device=device)
-        self.grad_topk = torch.randn(shape.rows, TOP_K, **options)
+        self.grad_topk = torch.randn(shape.rows, top_k, **options)
 
     def rows(self, n: int) -> Inputs:
         """The first n rows (the memory probes)."""
@@ -240,7 +244,7 @@ class Inputs:
         return part
 
     def other(self, form: str) -> torch.Tensor:
-        return self.target_hidden if form == SOFT else self.labels
+        return self.target_hidden if form in (SOFT, KL) else self.labels
 
 
 def make_call(fn, inputs: Inputs, form: str, backward: bool):
@@ -279,7 +283,8 @@ def floor(shape: Shape, form: str, backward: bool, inputs: Inputs, product: torc
 
 
 def gemm_flops(shape: Shape, form: str, backward: bool) -> int:
-    return 2 * shape.rows * shape.vocab * shape.hidden * ((2 if form == SOFT else 1) + (1 if backward else 0))
+    sides = 2 if form in (SOFT, KL) else 1
+    return 2 * shape.rows * shape.vocab * shape.hidden * (sides + (1 if backward else 0))
 
 
 def minimal_bytes(shape: Shape, form: str, backward: bool) -> int:
@@ -287,8 +292,8 @@ def minimal_bytes(shape: Shape, form: str, backward: bool) -> int:
     ids written once; for the backward the upstream gradients read and dh written."""
     size = torch.empty((), dtype=shape.dtype).element_size()
     n, h, v, k = shape.rows, shape.hidden, shape.vocab, TOP_K
-    n_losses = len(SOFT_LOSSES) if form == SOFT else 1
-    total = n * h * size + v * h * size + (n * h * size if form == SOFT else n * 8)
+    n_losses = len(FORM_LOSSES[form])
+    total = n * h * size + v * h * size + (n * h * size if form in (SOFT, KL) else n * 8 if form == CE else 0)
     total += n_losses * n * 4 + n * k * (size + 8)
     if backward:
         total += n_losses * n * 4 + n * k * size + n * h * size
@@ -453,12 +458,179 @@ def measure_memory(case: Case, inputs: Inputs, impls: dict, device: torch.device
         row.extra["peak_extra_mib"] = None if peak is None else peak / 2**20
 
 
+# --- top-k: its cost against K ------------------------------------------------------------------
+
+TOPK_KS = (16, 64, 256, 1024)
+# (N, V, H, dtype, form, extra K): the issue's kl_div forward (fp32) and the serving form
+# (fp16, H 16: the GEMM is cheap, the ranking is the cost), K up to V.
+TOPK_SHAPES = ((1024, 32_000, 256, torch.float32, KL, ()), (1024, 32_000, 16, torch.float16, SERVING, (2048, 32_000)))
+
+
+def dense_topk(top_k: int):
+    """The dense logits and torch.topk of them: the GEMM included, nothing else."""
+    def fn(hidden, weight, _):
+        values, ids = torch.topk(F.linear(hidden, weight), top_k, dim=-1)
+        return [], values, ids
+    return fn
+
+
+def topk_rows(device: torch.device, copy_gbps: float, quick: bool) -> list[Row]:
+    """Per K, dk.draft_head's forward against the dense logits + torch.topk: every K of a
+    shape and both implementations timed in turns (one time_side_by_side), so that the
+    ratios to K = 16 are measured under the same load."""
+    rows = []
+    shapes = TOPK_SHAPES if not quick else ((128, 4096, 32, torch.float32, KL, (4096,)),)
+    for n, vocab, width, dtype, form, extra in shapes:
+        shape = Shape(n, vocab, width, dtype)
+        inputs = Inputs(shape, device)
+        labels, calls = {}, {}
+        for top_k in [k for k in TOPK_KS + extra if k <= vocab]:
+            label = f"{form} fwd K{top_k} N{n} V{vocab} H{width} {str(dtype).removeprefix('torch.')}"
+            for impl, fn in (("ours", head_call(dk.draft_head, form, top_k)), ("torch.topk", dense_topk(top_k))):
+                calls[(label, impl)] = make_call(fn, inputs, form, False)
+                labels[(label, impl)] = top_k
+        timings = time_side_by_side(calls, device, warmup=1, reps=3 if quick else 5, budget_s=5 if quick else 600)
+        for (label, impl), timing in timings.items():
+            source = ("dflash2_kernels.draft_head, losses " + ("+".join(FORM_LOSSES[form]) or "none (serving)")
+                      if impl == "ours" else "F.linear logits [N, V]; torch.topk")
+            rows.append(Row("head_topk", label, impl, timing, minimal_bytes(shape, form, False), copy_gbps,
+                            {"source": source, "top_k": labels[(label, impl)], "form": form}))
+            print(f"#   {label:48} {impl:20} {timing.median_ms:10.2f} ms", flush=True)
+        del inputs
+    return rows
+
+
+# --- vocab parallel: one rank's step against one process's and the dense gathered logits ---------
+
+WORLD = 2
+# (N, V, H, form): the issue's row (kl_div + top-16 at V 65,536), then bench_step --head's
+# (512 rows: 64 anchors x block 8, H 256) at its vocabularies, speculators' kl_div and
+# NeMo's ce with labels.
+VP_SHAPES = ((512, 65_536, 256, KL), (512, 151_936, 256, KL), (512, 151_936, 256, CE), (512, 248_320, 256, CE))
+
+
+def dense_gathered(form: str, mesh):
+    """What a tensor-parallel trainer has without the fused head (NeMo's own code path): the
+    lm_head column-parallel, its logits a Shard(-1) DTensor made whole by ``full_tensor()``
+    (an all_gather of [N, V]; NeMo's ``_to_full_tensor``), then the loss on the [N, V]
+    logits (ce: F.cross_entropy(reduction='none'), NeMo's per-token NLL; kl_div:
+    speculators' eager kl_div_loss with the target's logits gathered alike) and torch.topk."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def full(local):
+        return DTensor.from_local(local, mesh, [Shard(1)], run_check=False).full_tensor()
+
+    def fn(hidden, weight, other):
+        logits = full(F.linear(hidden, weight))
+        if form == CE:
+            losses = [F.cross_entropy(logits, other, reduction="none", ignore_index=-100)]
+        else:
+            with torch.no_grad():
+                targets = full(F.linear(other, weight))
+            if _speculators_losses() is not None:
+                from speculators.losses.eager import kl_div_loss
+
+                losses = [kl_div_loss(logits.unsqueeze(0), targets.unsqueeze(0)).squeeze(0)]
+            else:
+                losses = [reference.draft_head_row_losses(logits, targets, None, ("kl_div",))["kl_div"]]
+        values, ids = torch.topk(logits, TOP_K, dim=-1)
+        return losses, values, ids
+    return fn
+
+
+def _rank_main(rank: int, port: int, shapes, reps: int, out_dir: str) -> None:
+    """One of WORLD gloo ranks, one thread each: every shape's three steps (forward +
+    backward) in turns, each call after a barrier, so that both ranks run the same thing at
+    the same time (one process's step too: both cores busy, as in the rank's step)."""
+    import json as json_module
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    group = dist.group.WORLD
+    results = []
+    for n, vocab, width, form in shapes:
+        shape = Shape(n, vocab, width, torch.float32)
+        inputs = Inputs(shape, torch.device("cpu"))
+        local = inputs.weight.chunk(WORLD)[rank].contiguous()
+        start = sum(part.shape[0] for part in inputs.weight.chunk(WORLD)[:rank])
+        sharded = object.__new__(Inputs)
+        sharded.__dict__.update(inputs.__dict__, weight=local)
+        alone = object.__new__(Inputs)  # one process on the shard: labels within it (the same work)
+        alone.__dict__.update(sharded.__dict__, labels=inputs.labels.remainder(local.shape[0]))
+        del inputs
+        calls = {
+            "ours": make_call(head_call(dk.draft_head, form, vocab_start=start, group=group), sharded, form, True),
+            "one process": make_call(head_call(dk.draft_head, form), alone, form, True),
+            "dense gathered": make_call(dense_gathered(form, mesh), sharded, form, True),
+        }
+        samples = {name: [] for name in calls}
+        for rep in range(reps + 1):  # the first round warms up
+            for name, call in calls.items():
+                dist.barrier()
+                begin = time.perf_counter()
+                call()
+                if rep:
+                    samples[name].append((time.perf_counter() - begin) * 1e3)
+        results.append({"shape": [n, vocab, width, form], "samples": samples, "local": local.shape[0]})
+        gc.collect()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json_module.dump(results, f)
+    dist.destroy_process_group()
+
+
+def vocab_parallel_rows(copy_gbps: float, quick: bool) -> list[Row]:
+    """A rank's step of a WORLD-rank run, side by side with one process's fused step on the
+    same shard and with the dense gathered logits; a row per rank-0 implementation, the
+    slower rank's median in extra."""
+    import json as json_module
+    import socket
+    import statistics
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from common import Timing
+
+    shapes = ((128, 8192, 64, KL), (128, 8192, 64, CE)) if quick else VP_SHAPES
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank_main, args=(port, shapes, 2 if quick else 5, out_dir), nprocs=WORLD, join=True)
+        per_rank = [json_module.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
+    rows = []
+    sources = {"ours": "dflash2_kernels.draft_head(vocab_start=, group=): a rank's step, fused row kernels",
+               "one process": "dflash2_kernels.draft_head on the same shard [V / 2, H] in one process",
+               "dense gathered": "ColwiseParallel logits (Shard(-1) DTensor).full_tensor() [N, V], as NeMo; the "
+                                 "loss on them (NeMo's F.cross_entropy / speculators' kl_div_loss); torch.topk"}
+    for index, (n, vocab, width, form) in enumerate(shapes):
+        label = f"{form} fwd+bwd N{n} V{vocab} H{width} float32 2 ranks"
+        shape = Shape(n, vocab, width, torch.float32)
+        for impl, source in sources.items():
+            samples = per_rank[0][index]["samples"][impl]
+            timing = Timing(statistics.median(samples), min(samples), max(samples))
+            slowest = max(statistics.median(r[index]["samples"][impl]) for r in per_rank)
+            rows.append(Row("head_vocab_parallel", label, impl, timing, minimal_bytes(shape, form, True), copy_gbps,
+                            {"source": source, "ranks": WORLD, "threads_per_rank": 1,
+                             "slowest_rank_median_ms": slowest, "local_vocab": per_rank[0][index]["local"],
+                             "samples_ms": samples}))
+            print(f"#   {label:48} {impl:20} {timing.median_ms:10.2f} ms (slowest rank {slowest:.2f})", flush=True)
+    return rows
+
+
 def _own_options() -> argparse.Namespace:
     """This benchmark's flags, taken out of sys.argv before start_run parses the shared ones."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--only", nargs="+", metavar="NxVxH", default=None,
                         help="run only these shapes of the device's list, e.g. 1024x131072x256")
+    parser.add_argument("--topk", action="store_true", help="the top-k rows (K in 16 .. 1024 and up to V)")
+    parser.add_argument("--vocab-parallel", action="store_true",
+                        help=f"the vocab-parallel rows ({WORLD} gloo ranks, CPU)")
     own, rest = parser.parse_known_args()
     sys.argv = sys.argv[:1] + rest
     return own
@@ -476,6 +648,15 @@ def main() -> None:
             shapes = [s for s in shapes if f"{s.rows}x{s.vocab}x{s.hidden}" in own.only]
             if not shapes:
                 raise SystemExit(f"--only {' '.join(own.only)}: no such shape in this device's list")
+    if own.topk or own.vocab_parallel:
+        rows = topk_rows(device, copy_gbps, args.quick) if own.topk else []
+        if own.vocab_parallel:
+            load = os.getloadavg()
+            run.env["load_before_vp"] = f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+            rows += vocab_parallel_rows(copy_gbps, args.quick)
+        print_table(rows)
+        write_records(rows, run.env, args.out)
+        return
     compiled = {}
     if not args.no_compile:
         # One compiled function per form, compiled once for every shape and grad mode: allow

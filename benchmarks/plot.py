@@ -53,11 +53,14 @@ SCRIPTS = {
     "step": "bench_step.py --out bench_results/step.jsonl",
     "step_head": "bench_step.py --head --out bench_results/step_head.jsonl",
     "head": "bench_head.py --out bench_results/head.jsonl",  # the fused draft head's benchmark (SPEC section 7)
+    "head_topk": "bench_head.py --topk --vocab-parallel --out bench_results/head.jsonl",
+    "head_vocab_parallel": "bench_head.py --topk --vocab-parallel --out bench_results/head.jsonl",
 }
 # Which table column each benchmark's implementation names fill.
 COLUMNS = {
     "ours": "ours",
     "reference": "eager", "torch loop": "eager", "torch.topk": "eager", "upstream": "eager",
+    "dense gathered": "eager",  # bench_head --vocab-parallel: a TP trainer's [N, V] logits gathered
     "compiled reference": "compile", "torch loop compiled": "compile",
     "floor": "floor",
 }
@@ -69,7 +72,7 @@ GRAPH = " (graph)"  # bench_serving's CUDA-graph replays: rows of their own
 # symbol names the series (conv "fwd 256x4096 fp32" -> "fwd Nx4096 fp32", x = 256).
 SIZES = (("rows N", "N", r"(?<![\w.])N(\d+)\b"), ("rows N", "N", r"(?<![\w.])(\d+)x\d+\b"),
          ("batch B", "B", r"(?<![\w.])B(\d+)\b"), ("rank r", "r", r"(?<![\w.])r(\d+)\b"),
-         ("tokens T", "T", r"(?<![\w.])T(\d+)\b"))
+         ("tokens T", "T", r"(?<![\w.])T(\d+)\b"), ("top-k K", "K", r"(?<![\w.])K(\d+)\b"))
 
 
 # --- records -------------------------------------------------------------------------------

@@ -63,6 +63,24 @@ constexpr const char* kDraftHeadRowsCpu =
 constexpr const char* kDraftHeadRowsBackwardCpu =
     "draft_head_rows_backward_cpu(Tensor(a!) logits, Tensor(b!)? target_logits, Tensor? labels, int loss_mask, "
     "float logit_scale, float softcap, ScalarType logits_dtype, Tensor grad_losses) -> ()";
+// The row kernels on one rank's shard of the vocabulary (csrc/head_shard_cpu.cpp says what
+// each computes). Stats: logits [R, V_local] raw in, transformed out -> (stats [R, 3]
+// float64, topk_ids [R, k] int64 local, topk_values [R, k] float64, target_argmax [R] int64).
+constexpr const char* kDraftHeadShardStatsCpu =
+    "draft_head_shard_stats_cpu(Tensor(a!) logits, Tensor(b!)? target_logits, int top_k, float logit_scale, "
+    "float softcap, ScalarType logits_dtype) -> (Tensor, Tensor, Tensor, Tensor)";
+// Rows: the shares [R, 6] float64 (or [0, 6]) of the losses' sums against the global
+// row_stats [R, 7], and dL/ds into loss_grads [L, R, V_local] or, with grad_losses [L, R],
+// over logits.
+constexpr const char* kDraftHeadShardRowsCpu =
+    "draft_head_shard_rows_cpu(Tensor(a!) logits, Tensor(b!)? target_logits, Tensor labels, int loss_mask, "
+    "float logit_scale, float softcap, Tensor row_stats, bool transform, bool shares, Tensor(c!)? loss_grads, "
+    "Tensor? grad_losses) -> Tensor";
+
+// An uninitialized contiguous CPU tensor of `size` and `dtype` from the CPU result cache
+// (csrc/cpu_result_cache.h): the draft head's per-chunk [R, V] buffers, which a fresh
+// allocation would page-fault in on every call.
+constexpr const char* kCpuCachedEmpty = "cpu_cached_empty(int[] size, ScalarType dtype) -> Tensor";
 
 }  // namespace schemas
 }  // namespace dflash2

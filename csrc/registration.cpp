@@ -92,7 +92,8 @@ TORCH_LIBRARY(dflash2, m) {
   using namespace dflash2::schemas;
   for (const char* schema : {kConvForwardCpu, kConvBackwardCpu, kSelectorScores, kSelectorScoresBackward,
                              kCandidateTopk, kSelectPath, kRejectionSample, kDraftHeadRowsCpu,
-                             kDraftHeadRowsBackwardCpu}) {
+                             kDraftHeadRowsBackwardCpu, kDraftHeadShardStatsCpu, kDraftHeadShardRowsCpu,
+                             kCpuCachedEmpty}) {
     m.def(schema);
   }
 }

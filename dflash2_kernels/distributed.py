@@ -36,8 +36,9 @@ accept whatever the autograd engine hands them and let DTensor redistribute it t
 forward's layout (a gradient may come back ``Replicate()`` where its output was
 ``Shard(0)``): the backward never raises for a layout its forward accepted.
 
-The head's row-chunk kernels (``draft_head_rows_cpu`` / ``_backward_cpu``) are internal
-and in-place: they have no rule (DTensor raises NotImplementedError for them).
+The head's row-chunk kernels (``draft_head_rows_cpu`` / ``_backward_cpu``, and the
+vocab-parallel shard's ``draft_head_shard_stats_cpu`` / ``draft_head_shard_rows_cpu``) are
+internal and in-place: they have no rule (DTensor raises NotImplementedError for them).
 
 The serving functions' reference paths (k > 32, float64, very large vocabularies,
 ``DFLASH2_BACKEND=reference``) refuse DTensors the same way (:func:`refuse_dtensors`).
@@ -53,7 +54,6 @@ import math
 
 import torch
 
-from .head.checks import loss_count
 
 __all__ = ["AVAILABLE", "NO_RULE", "RULES", "DTensorPlacementError", "like_rows", "refuse_dtensors"]
 
@@ -80,6 +80,9 @@ RULES: dict = {}
 NO_RULE = {
     "draft_head_rows_cpu": "internal, in-place row-chunk kernel of draft_head (called on local tensors)",
     "draft_head_rows_backward_cpu": "internal, in-place row-chunk kernel of draft_head's backward",
+    "draft_head_shard_stats_cpu": "internal, in-place row-chunk kernel of the vocab-parallel draft_head (local shards)",
+    "draft_head_shard_rows_cpu": "internal, in-place row-chunk kernel of the vocab-parallel draft_head (local shards)",
+    "cpu_cached_empty": "an allocation (no tensor argument): the draft head's chunk buffers",
 }
 
 # The public names of the ops' arguments, for the messages.
@@ -288,7 +291,7 @@ def _register_all() -> None:
                               "goes to dk.draft_head, which runs it vocab-parallel; the op takes it whole)",
                           weight=weight, target_weight=target_weight)
             present = [spec for spec in (hidden, weight, target_hidden, target_weight, labels) if spec is not None]
-            planes = hidden_grad_planes and loss_count(loss_mask) > 0
+            planes = hidden_grad_planes and loss_mask > 0
             replicated = ([R] * 14, [R] * len(present))
             if not _rows_sharded(op, hidden=hidden, target_hidden=target_hidden, labels=labels):
                 return _pad([replicated], 7)

@@ -2,7 +2,8 @@
 
 CPU results and kernel temporaries of 64 KiB and up (the selector's dense ``[N, V]``
 unary gradient and its ``[V, r]`` codebook gradients, the conv's outputs, the selector
-backward's ``[N, r]`` buffers) are placed in memory kept from earlier calls once their
+backward's ``[N, r]`` buffers, the draft head's per-chunk ``[R, V]`` planes through
+``torch.ops.dflash2.cpu_cached_empty``) are placed in memory kept from earlier calls once their
 tensors are freed, instead of fresh pages that fault in on first write: a training
 step allocates the same ones every step. ``DFLASH2_CPU_CACHE_MB`` (read on every
 call; default 1024, ``0`` keeps nothing) bounds what is kept. Like

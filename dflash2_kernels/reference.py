@@ -480,6 +480,35 @@ class DraftHeadOutput(NamedTuple):
     overlap: torch.Tensor | None  # [...] float32, sum_v min(p_v, q_v) = 1 - tv
 
 
+def draft_head_output(lead, losses: dict, topk_ids, topk_logits, label_ids, label_logit, draft_lse, target_lse,
+                      draft_argmax, target_argmax, target_logits_at_topk, overlap) -> DraftHeadOutput:
+    """A :class:`DraftHeadOutput` over the leading dims ``lead`` from flat per-row results
+    over N rows ([N] or [N, K]; None where a field is absent; ``losses`` name -> [N]), with
+    ``label_in_topk`` from ``topk_ids`` and ``label_ids``."""
+    top_k = topk_ids.shape[-1]
+
+    def shaped(tensor, *tail):
+        return None if tensor is None else tensor.reshape(tuple(lead) + tail)
+
+    label_in_topk = None
+    if label_ids is not None:
+        label_in_topk = (topk_ids == label_ids.unsqueeze(-1)).any(-1) & (label_ids != IGNORE_INDEX)
+    return DraftHeadOutput(
+        losses={name: shaped(loss) for name, loss in losses.items()},
+        topk_ids=shaped(topk_ids, top_k),
+        topk_logits=shaped(topk_logits, top_k),
+        label_ids=shaped(label_ids),
+        label_logit=shaped(label_logit),
+        label_in_topk=shaped(label_in_topk),
+        draft_lse=shaped(draft_lse),
+        target_lse=shaped(target_lse),
+        draft_argmax=shaped(draft_argmax),
+        target_argmax=shaped(target_argmax),
+        target_logits_at_topk=shaped(target_logits_at_topk, top_k),
+        overlap=shaped(overlap),
+    )
+
+
 def draft_head_logits(hidden: torch.Tensor, weight: torch.Tensor, logit_scale: float = 1.0,
                       softcap: float | None = None) -> torch.Tensor:
     """z = softcap * tanh(logit_scale * h W^T / softcap) (no tanh without softcap): hidden
@@ -566,36 +595,16 @@ def draft_head(
         p = torch.softmax(t.detach().to(stat_dtype), -1)
         overlap = torch.minimum(p, torch.softmax(z.detach().to(stat_dtype), -1)).sum(-1).float()
     label_ids = labels.reshape(-1).long() if labels is not None else target_argmax
-    label_logit = label_in_topk = None
-    ignored = None
+    label_logit = ignored = None
     if label_ids is not None:
         ignored = label_ids == IGNORE_INDEX
-        safe = torch.where(ignored, 0, label_ids)
-        label_logit = rounded.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-        label_in_topk = (topk_ids == safe.unsqueeze(-1)).any(-1) & ~ignored
+        label_logit = rounded.gather(-1, torch.where(ignored, 0, label_ids).unsqueeze(-1)).squeeze(-1)
     row_losses = draft_head_row_losses(z, t, None if label_ids is None else torch.where(ignored, 0, label_ids),
                                        tuple(losses))
     out_losses = {}
     for name in losses:
         loss = row_losses[name].float()
-        if ignored is not None:
-            loss = torch.where(ignored, torch.zeros_like(loss), loss)
-        out_losses[name] = loss.reshape(lead)
-
-    def shaped(tensor, *tail):
-        return None if tensor is None else tensor.reshape(tuple(lead) + tail)
-
-    return DraftHeadOutput(
-        losses=out_losses,
-        topk_ids=shaped(topk_ids, top_k),
-        topk_logits=shaped(rounded.gather(-1, topk_ids), top_k),
-        label_ids=shaped(label_ids),
-        label_logit=shaped(label_logit),
-        label_in_topk=shaped(label_in_topk),
-        draft_lse=shaped(torch.logsumexp(z.detach().to(stat_dtype), dim=-1).float()),
-        target_lse=shaped(target_lse),
-        draft_argmax=shaped(draft_argmax),
-        target_argmax=shaped(target_argmax),
-        target_logits_at_topk=shaped(at_topk, top_k),
-        overlap=shaped(overlap),
-    )
+        out_losses[name] = loss if ignored is None else torch.where(ignored, torch.zeros_like(loss), loss)
+    return draft_head_output(lead, out_losses, topk_ids, rounded.gather(-1, topk_ids), label_ids, label_logit,
+                             torch.logsumexp(z.detach().to(stat_dtype), dim=-1).float(), target_lse, draft_argmax,
+                             target_argmax, at_topk, overlap)

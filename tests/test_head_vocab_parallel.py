@@ -14,6 +14,8 @@ the ranks saved.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import traceback
 
 import pytest
@@ -25,7 +27,7 @@ from dflash2_kernels import reference
 
 from .contract import assert_within_contract
 from .distributed_support import load_rank_results, requires_gloo, run_ranks, save_rank_result
-from .head_cases import make_inputs, objective, upstream_weights
+from .head_cases import exact, make_inputs, objective, upstream_weights
 
 pytestmark = [requires_gloo, pytest.mark.skipif(not dist_rules.AVAILABLE, reason="DTensor")]
 
@@ -49,6 +51,15 @@ CASES = {
     "w2-f64": (2, [(0, 20), (20, 30)], "explicit", (24, 50, 16, F64, F64, ALL, 6, -1.3, 2.0, "given", None), True),
     "w2-ce-target-argmax": (2, "chunk", "explicit",
                             (32, 64, 16, F32, F32, ("rkl", "jsd", "ce"), 8, 1.0, None, "none", None), False),
+    # The CUDA path (Triton row and top-k kernels; the interpreter here): kept planes with
+    # a loss needing the merged sums (rkl), and the recompute (weight grad) with a softcap.
+    "w2-triton-planes": (2, [(0, 30), (30, 20)], "explicit-triton",
+                         (12, 50, 16, F32, F32, ("kl_div", "rkl", "ce"), 6, 1.0, None, "given", None), False),
+    "w2-triton-recompute": (2, "chunk", "explicit-triton",
+                            (12, 45, 16, F32, F32, ("jsd", "tv"), 5, 0.8, 3.0, "none", None), True),
+    # Training rows: dW accumulated over 16,384 rows in chunks of 64, per shard.
+    "w2-training-rows-grad": (2, [(0, 29), (29, 19)], "explicit",
+                              (16_384, 48, 8, F32, F32, ("kl_div", "ce"), 4, 1.0, None, "given", 0.03), True),
     "w3-dtensor-uneven": (3, "chunk", "dtensor", (48, 37, 16, F32, F32, ALL, 16, 1.0, None, "given", 0.003), True),
     "w3-bf16-weight": (3, [(0, 20), (20, 2), (22, 15)], "explicit",
                        (32, 37, 16, F32, BF16, ("kl_div", "rkl"), 8, 1.0, None, "given", None), False),
@@ -123,11 +134,21 @@ def _detached(out) -> dict:
 
 
 def _run_case(rank: int, world: int, name: str) -> dict:
+    _, shards, mode, case, weight_grad = CASES[name]
+    mode, _, backend = mode.partition("-")
+    if backend:  # that backend for this case only
+        os.environ["DFLASH2_BACKEND"] = backend
+    try:
+        return _run_case_in(rank, world, name, shards, mode, case, weight_grad)
+    finally:
+        os.environ.pop("DFLASH2_BACKEND", None)
+
+
+def _run_case_in(rank, world, name, shards, mode, case, weight_grad) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    _, shards, mode, case, weight_grad = CASES[name]
     hidden, weight, kwargs, tile = _inputs(case)
     start, size = _shards(world, case[1], shards)[rank]
     hidden.requires_grad_(True)
@@ -245,7 +266,38 @@ def _extras(rank: int, world: int) -> dict:
     at = logits_at_ids(hh, ww, ids, vocab_start=rank * 20, group=group, logit_scale=0.7, softcap=2.0)
     grad_h, grad_w = torch.autograd.grad((at * torch.arange(5.0)).sum(), [hh, ww])
     results["logits_at_ids"] = (at.detach(), grad_h, grad_w, ids)
+    results["ties"] = _ties(rank, world)
     return results
+
+
+def _tied_inputs():
+    """Dyadic hidden and W (every logit exact in float32, whatever the summation order) with
+    rows of W repeated across the shard edge (ids 5 / 27, 9 / 23 / 33, 12 / 30): equal logits
+    in different shards, which must rank by global id."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randint(-4, 5, (6, 8), generator=gen).float() / 4
+    weight = torch.randint(-8, 9, (40, 8), generator=gen).float() / 16
+    target = torch.randint(-4, 5, (6, 8), generator=gen).float() / 4
+    weight[27] = weight[5].clone()
+    weight[[23, 33]] = weight[9].clone()
+    weight[30] = weight[12].clone()
+    return hidden, weight, target
+
+
+def _ties(rank: int, world: int) -> dict:
+    """Top-k with ties across the shards, K = 12 and K = V = 40, in float32 and rounded to bf16."""
+    import torch.distributed as dist
+
+    hidden, weight, target = _tied_inputs()
+    size = 40 // world
+    local = weight[rank * size:(rank + 1) * size]
+    out = {}
+    for top_k in (12, 40):
+        for dtype in (F32, BF16):
+            head = dk.draft_head(hidden, local, vocab_start=rank * size, group=dist.group.WORLD, target_hidden=target,
+                                 top_k=top_k, logits_dtype=dtype, losses=("kl_div",))
+            out[(top_k, dtype)] = (head.topk_ids, head.draft_argmax, head.target_argmax)
+    return out
 
 
 def _worker(rank: int, out_dir: str, world: int, names: list) -> None:
@@ -328,6 +380,65 @@ def _assert_topk_like_one_process(ours, one, hidden, weight, case):
     assert torch.equal(ours.draft_argmax.reshape(-1)[distinct], one.draft_argmax.reshape(-1)[distinct])
 
 
+def _float64_errors(case, hidden, weight, kwargs, out, grads) -> dict:
+    """Each float result's and gradient's largest error against the float64 evaluation
+    (tests/head_cases.py's exact, at out's own top-k ids), and that evaluation's largest
+    magnitude: name -> (error, max |exact|)."""
+    rows, vocab, width, hidden_dtype, weight_dtype, losses, top_k, scale, cap, labels, tile = case
+    truth = exact(hidden, weight, kwargs["target_hidden"], kwargs["labels"], losses, scale, cap)
+    z64, t64 = truth["z"], truth["t"]
+    ids = out.topk_ids.reshape(-1, top_k)
+    wanted = {f"loss {name}": (out.losses[name], truth["losses"][name]) for name in losses}
+    wanted["draft_lse"] = (out.draft_lse, torch.logsumexp(z64.detach(), -1))
+    wanted["topk_logits"] = (out.topk_logits, z64.detach().gather(-1, ids))
+    label = None
+    if out.label_ids is not None:
+        label = torch.where(out.label_ids.reshape(-1) == reference.IGNORE_INDEX, 0, out.label_ids.reshape(-1))
+        wanted["label_logit"] = (out.label_logit, z64.detach().gather(-1, label[:, None]).squeeze(-1))
+    if t64 is not None:
+        wanted["target_lse"] = (out.target_lse, torch.logsumexp(t64, -1))
+        wanted["overlap"] = (out.overlap, torch.minimum(torch.softmax(t64, -1), torch.softmax(z64.detach(), -1)).sum(-1))
+        wanted["target_logits_at_topk"] = (out.target_logits_at_topk, t64.gather(-1, ids))
+    leaves = [truth["hidden"]] + ([truth["weight"]] if weight.requires_grad else [])
+    exact_obj = objective(truth["losses"], z64.gather(-1, ids),
+                          None if label is None else z64.gather(-1, label[:, None]), upstream_weights(out, top_k))
+    for name, got, true in zip(("grad hidden", "grad weight"), grads, torch.autograd.grad(exact_obj, leaves)):
+        wanted[name] = (got, true)
+    return {name: ((got.reshape(-1).double() - true.reshape(-1)).abs().max().item() if true.numel() else 0.0,
+                   true.abs().max().item() if true.numel() else 0.0)
+            for name, (got, true) in wanted.items()}
+
+
+def _assert_as_accurate_as_one_process(case, hidden, weight, kwargs, ours, ours_grads, one):
+    """Every float result and gradient of the ranks is as accurate as one process's: its
+    error against float64 at most twice one process's plus SPEC section 4's floor
+    (4 eps(fp32) max|exact| + 1e-6; 1e-12 for float64) -- not only within the bar the
+    dense reference sets."""
+    leaves = [hidden] + ([weight] if weight.requires_grad else [])
+    one_grads = torch.autograd.grad(objective(one.losses, one.topk_logits, one.label_logit,
+                                              upstream_weights(one, case[6])), leaves)
+    ours_errors = _float64_errors(case, hidden, weight, kwargs, ours, ours_grads)
+    one_errors = _float64_errors(case, hidden, weight, kwargs, one, one_grads)
+    for name, (error, magnitude) in ours_errors.items():
+        floor = 1e-12 if hidden.dtype == F64 and weight.dtype == F64 else \
+            4 * torch.finfo(torch.float32).eps * magnitude + 1e-6
+        assert error <= 2 * one_errors[name][0] + floor, \
+            f"{name}: error {error:.3e} > 2 x one process's {one_errors[name][0]:.3e} + {floor:.1e}"
+
+
+@contextlib.contextmanager
+def _backend(name: str):
+    """DFLASH2_BACKEND=name inside (nothing for "")."""
+    if not name:
+        yield
+        return
+    os.environ["DFLASH2_BACKEND"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("DFLASH2_BACKEND", None)
+
+
 def _judge(name: str, results: list[dict]):
     from .test_head import _check_case
 
@@ -336,7 +447,9 @@ def _judge(name: str, results: list[dict]):
     hidden.requires_grad_(True)
     weight.requires_grad_(weight_grad)
     ref = reference.draft_head(hidden, weight, **kwargs)
-    one = dk.draft_head(hidden, weight, tile_mb=tile, **kwargs)
+    backend = mode.partition("-")[2]  # one process on the ranks' path (the CUDA path's Triton kernels)
+    with _backend(backend):
+        one = dk.draft_head(hidden, weight, tile_mb=tile, **kwargs)
     first = results[0][name]
     for rank, per_rank in enumerate(results):
         record = per_rank[name]
@@ -368,6 +481,8 @@ def _judge(name: str, results: list[dict]):
     ours = _output(first["out"])
     _check_case(case, hidden, weight, kwargs, ours, ref, grads)
     _assert_topk_like_one_process(ours, one, hidden, weight, case)
+    with _backend(backend):
+        _assert_as_accurate_as_one_process(case, hidden, weight, kwargs, ours, grads, one)
     # No collective moves O(N * V) elements: the largest is the all_gather of the candidates
     # ([W, 2, R, K + 1]) or hidden's gradient ([N, H]).
     rows, vocab, width, k = case[0], case[1], case[2], max(case[6], 1)
@@ -465,6 +580,19 @@ def test_autocast_changes_nothing(world2):
     for per_rank in world2:
         plain, cast = per_rank["extras"]["autocast"]
         _assert_identical(cast, plain, "autocast")
+
+
+def test_ties_across_shards_take_the_lower_global_id(world2):
+    """Equal logits in different shards rank by global id, the K-th place and K = V included."""
+    hidden, weight, target = _tied_inputs()
+    for per_rank in world2:
+        for (top_k, dtype), (ids, argmax, target_argmax) in per_rank["extras"]["ties"].items():
+            rounded = reference.draft_head_logits(hidden.double(), weight.double()).to(dtype)
+            order = torch.sort(rounded, dim=-1, descending=True, stable=True).indices
+            assert torch.equal(ids, order[:, :top_k]), (top_k, dtype)
+            assert torch.equal(argmax, order[:, 0])
+            target_rounded = reference.draft_head_logits(target.double(), weight.double()).to(dtype)
+            assert torch.equal(target_argmax, torch.argmax(target_rounded, dim=-1))
 
 
 def test_logits_at_ids(world2):

@@ -1,4 +1,4 @@
-"""Every conv and draft head row kernel configuration the launchers pick, compiled with no
+"""Every conv, draft head row and top-k kernel configuration the launchers pick, compiled with no
 GPU for every architecture of the default list (dflash2_kernels/_cuda_archs.py: sm_80,
 sm_86, sm_89, sm_90, sm_100, sm_120), each checked against that architecture's limits.
 
@@ -63,6 +63,9 @@ HEAD_ROW_CONFIGS = [
     {"head_rows": dict(dtype="float32", loss_mask=0b11111, target=True, labels=True, softcap=False, grads=True,
                        vocab=248_321)},
 ]
+# The top-k kernel: 32-bit keys (fp16 / bf16 / fp32 values) and 64-bit ones (fp64).
+HEAD_TOPK_CONFIGS = [{"head_topk": dict(dtype=dtype)} for dtype in ("bfloat16", "float16", "float32", "float64")]
+HEAD_KERNELS = ["forward", "backward", "shard_stats", "shard_shares", "shard_planes", "shard_backward"]
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]
 
@@ -78,7 +81,7 @@ def usage():
                 for i in range(share)]
     found = {}
     for child in children:
-        out, err = child.communicate(json.dumps(CONFIGS + HEAD_ROW_CONFIGS), timeout=900)
+        out, err = child.communicate(json.dumps(CONFIGS + HEAD_ROW_CONFIGS + HEAD_TOPK_CONFIGS), timeout=900)
         assert child.returncode == 0, err[-4000:]
         found.update(json.loads(out))
     return found
@@ -136,7 +139,13 @@ def _head_row_id(config) -> str:
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
-@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("kernel", HEAD_KERNELS)
 @pytest.mark.parametrize("config", HEAD_ROW_CONFIGS, ids=_head_row_id)
 def test_head_rows_compile_within_each_architectures_limits(usage, config, kernel, arch):
     _assert_fits(arch, config, kernel, usage)
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("config", HEAD_TOPK_CONFIGS, ids=lambda c: "topk-" + c["head_topk"]["dtype"])
+def test_head_topk_compiles_within_each_architectures_limits(usage, config, arch):
+    _assert_fits(arch, config, "topk", usage)

@@ -85,32 +85,59 @@ def conv_plans(hidden: int, group_size: int, taps: int, dtypes: list[str], rows:
 
 def head_row_plans(dtype: str, loss_mask: int, target: bool, labels: bool, softcap: bool, grads: bool,
                    rows: int = 512, vocab: int = 248_320) -> dict:
-    """The draft head's row launches (forward, backward) for one configuration: a chunk of
-    ``rows`` rows of the Qwen3.8-27B vocabulary by default."""
-    from dflash2_kernels.head import row_launch
+    """The draft head's row launches for one configuration: a chunk of ``rows`` rows of the
+    Qwen3.8-27B vocabulary by default. One process: forward, backward; vocab parallel
+    (a shard of it): the statistics pass, the shares pass (with the planes where no loss
+    needs a merged sum), the planes pass and the backward's recompute."""
+    from dflash2_kernels.head import row_launch as rl
 
     plane_dtype = getattr(torch, dtype)
-    losses_n = row_launch.loss_count(loss_mask)
+    losses_n = rl.loss_count(loss_mask)
 
-    def plane():
-        return torch.empty(rows, vocab, dtype=plane_dtype, device="meta")
+    def plane(*shape, dtype=plane_dtype):
+        return torch.empty(*shape, dtype=dtype, device="meta")
 
-    logits = plane()
-    target_logits = plane() if target else None
-    label_ids = torch.empty(rows, dtype=torch.int64, device="meta") if labels else None
+    logits = plane(rows, vocab)
+    target_logits = plane(rows, vocab) if target else None
+    label_ids = plane(rows, dtype=torch.int64) if labels else None
     cap = 30.0 if softcap else 0.0
-    losses = torch.empty(losses_n, rows, dtype=plane_dtype, device="meta")
-    stats = torch.empty(rows, 3, dtype=plane_dtype, device="meta")
-    loss_grads = torch.empty(losses_n, rows, vocab, dtype=plane_dtype, device="meta") if grads else None
-    forward = row_launch.plan_head_rows_forward(logits, target_logits, label_ids, loss_mask, 1.0, cap, losses,
-                                                stats, loss_grads)
-    backward = row_launch.plan_head_rows_backward(logits, target_logits, label_ids, loss_mask, 1.0, cap, losses)
-    return {"forward": forward, "backward": backward}
+    losses = plane(losses_n, rows)
+    loss_grads = plane(losses_n, rows, vocab) if grads else None
+    common = (logits, target_logits, label_ids, loss_mask, 1.0, cap)
+    local_labels = plane(rows, dtype=torch.int64)
+    shard = (logits, target_logits, local_labels, loss_mask, 1.0, cap)
+    row_stats = plane(rows, 7, dtype=torch.float64)
+    global_sums = loss_mask & 0b01110
+    return {
+        "forward": rl.plan_head_rows(rl.FORWARD, *common, losses=losses, stats=plane(rows, 3),
+                                     loss_grads=loss_grads),
+        "backward": rl.plan_head_rows(rl.BACKWARD, *common, grad_losses=losses),
+        "shard_stats": rl.plan_head_rows(rl.SHARD_STATS, logits, target_logits, None, 0, 1.0, cap,
+                                         shard_out=plane(rows, 2, dtype=torch.float64)),
+        "shard_shares": rl.plan_head_rows(rl.SHARD_ROWS, *shard, shard_out=plane(rows, 6, dtype=torch.float64),
+                                          row_stats=row_stats, loss_grads=None if global_sums else loss_grads,
+                                          shares=True),
+        "shard_planes": rl.plan_head_rows(rl.SHARD_ROWS, *shard, row_stats=row_stats, loss_grads=loss_grads),
+        "shard_backward": rl.plan_head_rows(rl.SHARD_ROWS, *shard, row_stats=row_stats, grad_losses=losses,
+                                            transform=True),
+    }
+
+
+def topk_plans(dtype: str, rows: int = 512, vocab: int = 248_320, top_k: int = 16) -> dict:
+    """The draft head's top-k launch over values of ``dtype`` (the logits rounded)."""
+    from dflash2_kernels.head.topk_launch import plan_row_topk
+
+    values = torch.empty(rows, vocab, dtype=getattr(torch, dtype), device="meta")
+    ids = torch.empty(rows, top_k, dtype=torch.int64, device="meta")
+    return {"topk": plan_row_topk(values, top_k, ids, torch.empty_like(ids))}
 
 
 def plans_of(config) -> dict:
     """A conv configuration is a list (conv_plans' arguments); a draft head row
-    configuration a dict {"head_rows": head_row_plans' keyword arguments}."""
+    configuration a dict {"head_rows": head_row_plans' keyword arguments}, a top-k one
+    {"head_topk": topk_plans' keyword arguments}."""
+    if isinstance(config, dict) and "head_topk" in config:
+        return topk_plans(**config["head_topk"])
     if isinstance(config, dict):
         return head_row_plans(**config["head_rows"])
     return conv_plans(*config)

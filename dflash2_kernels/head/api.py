@@ -3,8 +3,6 @@ top-k candidates straight from hidden states, never holding [N, V] logits (SPEC 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import reference
@@ -13,34 +11,11 @@ from .._extension import has_kernel
 from . import vocab_parallel
 from .checks import check_head_args, loss_count, loss_mask_of, loss_names
 from .gemm import compute_dtype
+from .tiles import keeps_hidden_grads, tile_rows_for
 
-__all__ = ["DraftHeadOutput", "draft_head", "tile_rows_for"]
+__all__ = ["DraftHeadOutput", "draft_head"]
 
 DraftHeadOutput = reference.DraftHeadOutput
-TILE_ENV = "DFLASH2_HEAD_TILE_MB"
-# The working set of one chunk of rows (its logits, the target's and the forward's loss
-# gradient planes) in MiB, by device. CPU: measured (benchmarks/micro/head_tile.py,
-# docs/BENCHMARKS.md "draft head"): the GEMMs need chunks of ~64+ rows to run at speed, and
-# 256 MiB gives 64 rows at V = 131,072 with two losses, within 1/8 of the dense head's
-# memory. CUDA: not measured yet; 1 GiB gives ~256 rows of V = 248,320 with two losses,
-# enough rows for cuBLAS's tiles, under a tenth of the dense head's [N, V] tensors at 16k rows.
-DEFAULT_TILE_MB = {"cpu": 256, "cuda": 1024}
-
-
-def tile_rows_for(vocab: int, losses: int, has_target: bool, planes: bool, dtype: torch.dtype,
-                  tile_mb: float | None = None, device_type: str = "cpu") -> int:
-    """Rows per chunk so that the chunk's [R, V] planes fit in ``tile_mb`` MiB (at least
-    one row); ``tile_mb`` defaults to ``DFLASH2_HEAD_TILE_MB`` or the device's DEFAULT_TILE_MB."""
-    if tile_mb is None:
-        raw = os.environ.get(TILE_ENV, "").strip()
-        try:
-            tile_mb = float(raw) if raw else DEFAULT_TILE_MB.get(device_type, DEFAULT_TILE_MB["cpu"])
-        except ValueError:
-            raise ValueError(f"{TILE_ENV} must be a number of MiB, got {raw!r}.") from None
-    if isinstance(tile_mb, bool) or not isinstance(tile_mb, (int, float)) or not 0 < tile_mb < float("inf"):
-        raise ValueError(f"tile_mb (or {TILE_ENV}) must be a positive number of MiB, got {tile_mb!r}.")
-    planes_per_row = 1 + int(has_target) + (losses if planes else 0)
-    return max(1, int(tile_mb * (1 << 20)) // (planes_per_row * vocab * dtype.itemsize))
 
 
 def _kernel_for(device: torch.device) -> bool:
@@ -137,12 +112,7 @@ def draft_head(
     width = hidden.shape[-1]
     vocab = weight.shape[0]
     losses_count = loss_count(loss_mask)
-    grad_on = torch.is_grad_enabled()
-    # Keeping dL_l/dh costs one GEMM per loss in the forward; recomputing costs one per side
-    # plus dS @ W in the backward, and the row passes again: keep them while that is no dearer.
-    recompute_gemms = 2 + int(target_hidden is not None)
-    planes = (grad_on and hidden.requires_grad and not weight.requires_grad
-              and 0 < losses_count <= recompute_gemms)
+    planes = keeps_hidden_grads(hidden.requires_grad, weight.requires_grad, losses_count, target_hidden is not None)
     tile_rows = tile_rows_for(vocab, losses_count, target_hidden is not None, planes, compute_dtype(weight.dtype),
                               tile_mb, hidden.device.type)
     flat_target = None if target_hidden is None else target_hidden.reshape(-1, width)
@@ -152,25 +122,14 @@ def draft_head(
         hidden.reshape(-1, width), weight, flat_target, target_weight, flat_labels, loss_mask, top_k,
         float(logit_scale), 0.0 if softcap is None else float(softcap), logits_dtype, planes, tile_rows)
 
-    def shaped(tensor, *tail):
-        return tensor.reshape(tuple(lead) + tail)
-
     has_target = target_hidden is not None
     has_label = labels is not None or has_target
-    label_in_topk = None
-    if has_label:
-        label_in_topk = shaped((topk_ids == label_ids.unsqueeze(1)).any(1) & (label_ids != reference.IGNORE_INDEX))
-    return DraftHeadOutput(
-        losses={name: shaped(loss_rows[i]) for i, name in enumerate(loss_names(loss_mask))},
-        topk_ids=shaped(topk_ids, top_k),
-        topk_logits=shaped(topk_logits, top_k),
-        label_ids=shaped(label_ids) if has_label else None,
-        label_logit=shaped(label_logit) if has_label else None,
-        label_in_topk=label_in_topk,
-        draft_lse=shaped(draft_lse.detach()),
-        target_lse=shaped(target_lse.detach()) if has_target else None,
-        draft_argmax=shaped(draft_argmax),
-        target_argmax=shaped(target_argmax) if has_target else None,
-        target_logits_at_topk=shaped(at_topk.detach(), top_k) if has_target else None,
-        overlap=shaped(overlap.detach()) if has_target else None,
-    )
+
+    def target_side(tensor):
+        return tensor if has_target else None
+
+    return reference.draft_head_output(
+        lead, {name: loss_rows[i] for i, name in enumerate(loss_names(loss_mask))}, topk_ids, topk_logits,
+        label_ids if has_label else None, label_logit if has_label else None, draft_lse.detach(),
+        target_side(target_lse.detach()), draft_argmax, target_side(target_argmax), target_side(at_topk.detach()),
+        target_side(overlap.detach()))

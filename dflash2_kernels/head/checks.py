@@ -36,15 +36,18 @@ def loss_mask_of(losses) -> int:
     return mask
 
 
+def loss_count(loss_mask: int) -> int:
+    """How many losses a mask asks for (a loop over the bits, not ``bin(mask).count``:
+    torch 2.5's dynamo cannot trace ``bin``)."""
+    count = 0
+    for bit in range(len(LOSS_ORDER)):
+        count += (loss_mask >> bit) & 1
+    return count
+
+
 def loss_names(loss_mask: int) -> tuple[str, ...]:
     """The losses of a mask, in LOSS_ORDER (the order of every [L, ...] tensor)."""
     return tuple(name for i, name in enumerate(LOSS_ORDER) if loss_mask >> i & 1)
-
-
-def loss_count(loss_mask: int) -> int:
-    """How many losses a mask names (a popcount that torch.compile traces on every
-    supported torch: dynamo 2.5 cannot trace the builtin ``bin``)."""
-    return len(loss_names(loss_mask))
 
 
 def _tensor(name: str, value, *, floats: bool = False) -> torch.Tensor:

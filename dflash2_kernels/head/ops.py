@@ -21,17 +21,11 @@ from typing import Optional
 
 import torch
 
-from .._extension import has_kernel
 from . import gemm
 from .checks import HEAD_FLOATS, IGNORE_INDEX, check_head_args, has_data, loss_count
-from .rows import logit_slope, rows_backward_cpu, rows_backward_triton, rows_forward_cpu, rows_forward_triton
-
-# Bytes of the W rows the backward gathers at once for the top-k logits' gradient.
-SPARSE_BYTES = 32 << 20
-
-
-def _losses(loss_mask: int) -> int:
-    return loss_count(loss_mask)
+from .grads import SparseLogits, grads_from_planes, recomputed_grads
+from .rows import row_functions
+from .tiles import chunk_planes
 
 
 def _check_op_args(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale, softcap,
@@ -45,21 +39,9 @@ def _check_op_args(hidden, weight, target_hidden, target_weight, labels, loss_ma
         raise ValueError(f"tile_rows must be a positive int, got {tile_rows!r}.")
 
 
-def _row_functions(device: torch.device):
-    """The forward and backward row reductions for tensors on ``device``."""
-    from .._backend import selected_backend
-
-    if selected_backend() == "triton" or device.type == "cuda":
-        return rows_forward_triton, rows_backward_triton
-    if device.type == "cpu" and has_kernel("draft_head_rows_cpu", "cpu"):
-        return rows_forward_cpu, rows_backward_cpu
-    raise RuntimeError(f"dflash2::draft_head has no kernel for {device.type} tensors in this build "
-                       f"(dk.draft_head runs the dense reference there).")
-
-
 def _output_shapes(hidden, weight, loss_mask, top_k, planes: bool):
     rows, width = hidden.shape
-    losses = _losses(loss_mask)
+    losses = loss_count(loss_mask)
     return rows, width, losses, (losses, rows, width) if planes and losses else (0,)
 
 
@@ -86,7 +68,7 @@ def draft_head_op(
     compute dtype, target-side results 0 without target_hidden."""
     _check_op_args(hidden, weight, target_hidden, target_weight, labels, loss_mask, top_k, logit_scale, softcap,
                    logits_dtype, tile_rows)
-    forward_rows, _ = _row_functions(hidden.device)
+    forward_rows, _ = row_functions(hidden.device)
     rows, width, losses, planes_shape = _output_shapes(hidden, weight, loss_mask, top_k, hidden_grad_planes)
     vocab = weight.shape[0]
     dtype = gemm.compute_dtype(weight.dtype)
@@ -103,9 +85,9 @@ def draft_head_op(
     argmaxes = [torch.empty(rows, dtype=torch.long, **make) for _ in range(2)]
     at_topk = torch.empty((rows, top_k), dtype=torch.float32, **make)
     hidden_grads = torch.empty(planes_shape, dtype=dtype, **make)
-    logits = torch.empty((chunk, vocab), dtype=dtype, **make)
-    target_logits = torch.empty((chunk, vocab), dtype=dtype, **make) if target_hidden is not None else None
-    loss_planes = torch.empty((losses, chunk, vocab), dtype=dtype, **make) if hidden_grads.dim() == 3 else None
+    logits = chunk_planes((chunk, vocab), dtype, hidden.device)
+    target_logits = chunk_planes((chunk, vocab), dtype, hidden.device) if target_hidden is not None else None
+    loss_planes = chunk_planes((losses, chunk, vocab), dtype, hidden.device) if hidden_grads.dim() == 3 else None
     for start in range(0, rows, max(chunk, 1)):
         stop = min(rows, start + chunk)
         count = stop - start
@@ -158,7 +140,7 @@ def _check_backward_args(grad_losses, grad_topk, grad_label, hidden, weight, tar
     rows, width = hidden.shape
     dtype = gemm.compute_dtype(weight.dtype)
     expected = {
-        "grad_losses": (grad_losses, (_losses(loss_mask), rows), None),
+        "grad_losses": (grad_losses, (loss_count(loss_mask), rows), None),
         "grad_topk": (grad_topk, (rows, top_k), None),
         "grad_label": (grad_label, (rows,), None),
         "topk_ids": (topk_ids, (rows, top_k), torch.long),
@@ -182,9 +164,9 @@ def _check_backward_args(grad_losses, grad_topk, grad_label, hidden, weight, tar
         raise IndexError(f"topk_ids holds ids outside [0, {vocab}).")
     if has_data(label_ids) and bool(((label_ids < -1) & (label_ids != IGNORE_INDEX) | (label_ids >= vocab)).any()):
         raise IndexError(f"label_ids holds ids outside [0, {vocab}) other than -100 (ignored) and -1 (none).")
-    if hidden_grads.numel() and (tuple(hidden_grads.shape) != (_losses(loss_mask), rows, width)
+    if hidden_grads.numel() and (tuple(hidden_grads.shape) != (loss_count(loss_mask), rows, width)
                                  or hidden_grads.dtype != dtype):
-        raise ValueError(f"hidden_grads must be empty or {dtype} [{_losses(loss_mask)}, {rows}, {width}], "
+        raise ValueError(f"hidden_grads must be empty or {dtype} [{loss_count(loss_mask)}, {rows}, {width}], "
                          f"got {hidden_grads.dtype} {tuple(hidden_grads.shape)}.")
 
 
@@ -221,95 +203,23 @@ def draft_head_backward_op(
     dtype = gemm.compute_dtype(weight.dtype)
     rows, width = hidden.shape
     no_hidden, no_weight = hidden.new_empty(0), weight.new_empty(0)  # distinct: outputs may not alias
-    if need_weight or (need_hidden and not hidden_grads.numel() and _losses(loss_mask)):
-        grad_hidden, grad_weight = _recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight,
-                                                     target_hidden, target_weight, labels, topk_ids, topk_z,
-                                                     label_ids, label_z, loss_mask, logit_scale, softcap,
-                                                     logits_dtype, need_hidden, need_weight, tile_rows)
+    sparse = SparseLogits(grad_topk, grad_label, topk_ids, topk_z, label_ids, label_z, logit_scale, softcap)
+    if need_weight or (need_hidden and not hidden_grads.numel() and loss_count(loss_mask)):
+        _, backward_rows = row_functions(hidden.device)
+
+        def rows_backward(start, stop, s, t, weights):
+            backward_rows(s, t, None if labels is None else labels[start:stop], loss_mask, logit_scale, softcap,
+                          logits_dtype, weights)
+
+        grad_hidden, grad_weight = recomputed_grads(grad_losses, sparse, hidden, weight, target_hidden,
+                                                    target_weight, rows_backward, need_hidden, need_weight,
+                                                    tile_rows)
         return (grad_hidden.to(hidden.dtype) if need_hidden else no_hidden,
                 grad_weight.to(weight.dtype) if need_weight else no_weight)
     if not need_hidden:
         return no_hidden, no_weight
-    grad_hidden = torch.zeros((rows, width), dtype=dtype, device=hidden.device)
-    if hidden_grads.numel():
-        grad_hidden += torch.einsum("ln,lnh->nh", grad_losses.to(dtype), hidden_grads)
-    _add_sparse_grads(grad_hidden, grad_topk, grad_label, weight, topk_ids, topk_z, label_ids, label_z, logit_scale,
-                      softcap)
+    grad_hidden = grads_from_planes(grad_losses, hidden_grads, sparse, weight, (rows, width), dtype)
     return grad_hidden.to(hidden.dtype), no_weight
-
-
-def _sparse_coefficients(grad_topk, grad_label, topk_z, label_ids, label_z, logit_scale, softcap, dtype):
-    """dL/ds at the top-k entries [R, K] and at the label [R] (0 where no label logit
-    exists), and the label's column with ignored rows and no-label rows at 0."""
-    topk = grad_topk.to(dtype) * logit_slope(topk_z, logit_scale, softcap)
-    label = grad_label.to(dtype) * logit_slope(label_z, logit_scale, softcap)
-    label = torch.where(label_ids == -1, torch.zeros_like(label), label)
-    return topk, label, torch.where((label_ids == IGNORE_INDEX) | (label_ids == -1), 0, label_ids)
-
-
-def _scatter_sparse_grads(grad_logits, grad_topk, grad_label, weight, topk_ids, topk_z, label_ids, label_z,
-                          logit_scale, softcap) -> None:
-    """grad_logits [R, V] += the top-k and label logits' gradients at their entries (for dW)."""
-    topk, label, column = _sparse_coefficients(grad_topk, grad_label, topk_z, label_ids, label_z, logit_scale,
-                                               softcap, grad_logits.dtype)
-    grad_logits.scatter_add_(1, topk_ids, topk)  # ids are distinct within a row
-    grad_logits.scatter_add_(1, column.unsqueeze(1), label.unsqueeze(1))
-
-
-def _add_sparse_grads(grad_hidden, grad_topk, grad_label, weight, topk_ids, topk_z, label_ids, label_z, logit_scale,
-                      softcap) -> None:
-    """grad_hidden [R, H] += the top-k and label logits' gradients through the W rows they
-    came from: K + 1 terms per row, not a sum over V."""
-    rows, width = grad_hidden.shape
-    dtype = grad_hidden.dtype
-    chunk = max(1, SPARSE_BYTES // max(1, (topk_ids.shape[1] + 1) * width * dtype.itemsize))
-    for start in range(0, rows, chunk):
-        stop = min(rows, start + chunk)
-        topk, label, column = _sparse_coefficients(grad_topk[start:stop], grad_label[start:stop], topk_z[start:stop],
-                                                   label_ids[start:stop], label_z[start:stop], logit_scale, softcap,
-                                                   dtype)
-        if topk_ids.shape[1]:
-            picked = weight[topk_ids[start:stop]].to(dtype)  # [R, K, H]
-            grad_hidden[start:stop] += torch.bmm(topk.unsqueeze(1), picked).squeeze(1)
-        grad_hidden[start:stop] += label.unsqueeze(1) * weight[column].to(dtype)
-
-
-def _recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight, target_hidden, target_weight, labels,
-                      topk_ids, topk_z, label_ids, label_z, loss_mask, logit_scale, softcap, logits_dtype,
-                      need_hidden, need_weight, tile_rows):
-    """Each chunk's logits again, turned into dL/ds in place by the row kernel, then dh and dW from them."""
-    _, backward_rows = _row_functions(hidden.device)
-    dtype = gemm.compute_dtype(weight.dtype)
-    rows, width = hidden.shape
-    vocab = weight.shape[0]
-    chunk = min(rows, tile_rows)
-    target_weight = weight if target_weight is None else target_weight
-    grad_hidden = torch.empty((rows, width), dtype=dtype, device=hidden.device) if need_hidden else None
-    grad_weight = torch.zeros((vocab, width), dtype=dtype, device=hidden.device) if need_weight else None
-    logits = torch.empty((chunk, vocab), dtype=dtype, device=hidden.device)
-    target_logits = torch.empty_like(logits) if target_hidden is not None else None
-    weights = grad_losses.to(dtype)
-    for start in range(0, rows, max(chunk, 1)):
-        stop = min(rows, start + chunk)
-        count = stop - start
-        rows_in = hidden[start:stop].to(weight.dtype)
-        s = logits[:count]
-        gemm.project(s, rows_in, weight)
-        t = None
-        if target_logits is not None:
-            t = target_logits[:count]
-            gemm.project(t, target_hidden[start:stop].to(target_weight.dtype), target_weight)
-        backward_rows(s, t, None if labels is None else labels[start:stop], loss_mask, logit_scale, softcap,
-                      logits_dtype, weights[:, start:stop].contiguous())
-        sparse = (grad_topk[start:stop], grad_label[start:stop], weight, topk_ids[start:stop], topk_z[start:stop],
-                  label_ids[start:stop], label_z[start:stop], logit_scale, softcap)
-        if need_hidden:
-            gemm.hidden_grad(grad_hidden[start:stop], s, weight)
-            _add_sparse_grads(grad_hidden[start:stop], *sparse)
-        if need_weight:
-            _scatter_sparse_grads(s, *sparse)
-            gemm.accumulate_weight_grad(grad_weight, s, rows_in)
-    return grad_hidden, grad_weight
 
 
 @draft_head_backward_op.register_fake

@@ -1,8 +1,8 @@
 """Triton kernels of the draft head's row reduction (SPEC section 7). Kernels only.
 
-The Triton twin of csrc/head_cpu.cpp's ``head_row`` without its ranking (top-k and the
-argmaxes stay with torch on the chunk): one program owns one row of a chunk of raw
-logits s [R, V] (and the target's) and walks it in BLOCK_V tiles, in passes:
+The Triton twin of csrc/head_row_passes.h's passes, without the ranking (the top-k kernel,
+topk_kernels.py, ranks): one program owns one row of a chunk of raw logits s [R, V] (and
+the target's) and walks it in BLOCK_V tiles, in passes:
 
   AB. s -> z = softcap * tanh(scale * s / softcap) (or scale * s) stored over s, and the
       row's log-normaliser in the same pass (an online logsumexp: each tile's max and
@@ -11,6 +11,16 @@ logits s [R, V] (and the target's) and walks it in BLOCK_V tiles, in passes:
   C.  the losses' sums, which need both normalisers (only with a target);
   D.  dL/ds into per-loss planes (forward) or the combined sum_l g_l dL_l/ds over s
       itself (backward).
+
+One kernel, four modes (MODE, a constexpr), so that every launch shares one prologue and
+one gradient pass:
+  0 forward (one process): AB, C, the losses and statistics, D into planes (GRADS 1);
+  1 backward (one process): AB, C's sums the gradients subtract, D combined (GRADS 2);
+  2 shard statistics (vocab parallel, head/shard.py): AB, the local lse of each side (fp64);
+  3 shard rows: the normalisers and sums from row_stats (merged across the ranks), C into
+    the shard's shares (SHARES, fp64), D into planes or combined (GRADS), the transform
+    done by D as it reads raw logits (TRANSFORM: the backward's recompute; with TRANSFORM
+    the launcher asks for D alone).
 
 Numbers: entries are computed in the planes' dtype (fp32 planes: fp32 math, as the
 references' log_softmax), every tile's sums are tree sums in that dtype, and the sums
@@ -220,120 +230,49 @@ def _loss_slope(LOSS: tl.constexpr, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv
 
 
 @triton.jit
-def draft_head_rows_fwd_kernel(
-    logits_ptr,  # [R, V] raw s in, transformed z out; rows at stride_logits_row, unit vocab stride
-    target_ptr,  # [R, V] raw target logits in, transformed t out (HAS_TARGET; else a stand-in)
-    labels_ptr,  # [R] int64 at stride_labels: a label, -100 (ignored row) or -1 (none) (HAS_LABELS)
-    losses_ptr,  # [L, R] contiguous, the planes' dtype: the requested losses in LOSS_ORDER
-    stats_ptr,  # [R, 3] contiguous: lse(z), lse(t) (0 without target), sum min(p, q) (0 without)
-    grads_ptr,  # [L, R, V] at (stride_grad_loss, stride_grad_row, 1): dL/ds (WRITE_GRADS)
-    n_rows,
-    vocab,
-    stride_logits_row,
-    stride_target_row,
-    stride_labels,
-    stride_grad_loss,
-    stride_grad_row,
-    logit_scale: tl.float64,
-    softcap: tl.float64,  # > 0 with HAS_SOFTCAP
-    inv_softcap: tl.float64,  # 1 / softcap (with HAS_SOFTCAP)
-    LOSS_MASK: tl.constexpr,  # bit i: LOSS_ORDER[i] = kl_div, rkl, jsd, tv, ce
-    HAS_TARGET: tl.constexpr,
-    HAS_LABELS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    WRITE_GRADS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """One row per program: losses, statistics and (WRITE_GRADS) the losses' dL/ds."""
-    E: tl.constexpr = logits_ptr.dtype.element_ty
-    KL: tl.constexpr = (LOSS_MASK & 1) != 0
-    RKL: tl.constexpr = (LOSS_MASK & 2) != 0
-    JSD: tl.constexpr = (LOSS_MASK & 4) != 0
-    TV: tl.constexpr = (LOSS_MASK & 8) != 0
-    CE: tl.constexpr = (LOSS_MASK & 16) != 0
-    SOFT: tl.constexpr = (LOSS_MASK & 15) != 0  # reads the target (the launcher checks there is one)
-    # Each requested loss's slot in the [L, ...] outputs: how many requested losses precede it.
-    RKL_SLOT: tl.constexpr = LOSS_MASK & 1
-    JSD_SLOT: tl.constexpr = (LOSS_MASK & 1) + ((LOSS_MASK >> 1) & 1)
-    TV_SLOT: tl.constexpr = (LOSS_MASK & 1) + ((LOSS_MASK >> 1) & 1) + ((LOSS_MASK >> 2) & 1)
-    CE_SLOT: tl.constexpr = (LOSS_MASK & 1) + ((LOSS_MASK >> 1) & 1) + ((LOSS_MASK >> 2) & 1) + ((LOSS_MASK >> 3) & 1)
-
-    row = tl.program_id(0).to(tl.int64)
-    z_row_ptr = logits_ptr + row * stride_logits_row
-    t_row_ptr = target_ptr + row * stride_target_row
-    label = tl.full([], -1, tl.int64)
-    if HAS_LABELS:
-        label = tl.load(labels_ptr + row * stride_labels)
-    live = label != IGNORE_INDEX
-
-    label_z = tl.zeros([], E)
-    if CE:
-        # The raw logit at the label, read before pass AB overwrites it; an out-of-range
-        # label (unchecked on the device) reads nothing and makes the ce NaN.
-        has_label = (label >= 0) & (label < vocab)
-        label_s = tl.load(z_row_ptr + tl.where(has_label, label, 0), mask=has_label, other=float("nan"))
-        label_z = _transformed(label_s, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP)
-        tl.debug_barrier()
-
-    draft_lse = _transform_row(z_row_ptr, vocab, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP, BLOCK_V)
-    target_lse = tl.zeros([], tl.float64)
-    if HAS_TARGET:
-        target_lse = _transform_row(t_row_ptr, vocab, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP, BLOCK_V)
-    tl.debug_barrier()
-
-    kl = tl.zeros([], tl.float64)
-    rkl = tl.zeros([], tl.float64)
-    jsd = tl.zeros([], tl.float64)
-    overlap = tl.zeros([], tl.float64)
-    jsd_q = tl.zeros([], tl.float64)
-    tv_q = tl.zeros([], tl.float64)
-    if HAS_TARGET:
-        kl, rkl, jsd, overlap, jsd_q, tv_q = _soft_sums(
-            z_row_ptr, t_row_ptr, vocab, draft_lse, target_lse, E,
-            KL, RKL, JSD, True, TV and WRITE_GRADS, BLOCK_V,
-        )
-        tl.debug_barrier()
-
-    stats_row_ptr = stats_ptr + row * 3
-    tl.store(stats_row_ptr, draft_lse.to(E))
-    tl.store(stats_row_ptr + 1, target_lse.to(E))
-    tl.store(stats_row_ptr + 2, overlap.to(E))
-    losses_row_ptr = losses_ptr + row
-    if KL:
-        tl.store(losses_row_ptr, tl.where(live, kl, 0.0).to(E))
-    if RKL:
-        tl.store(losses_row_ptr + RKL_SLOT * n_rows, tl.where(live, rkl, 0.0).to(E))
-    if JSD:
-        tl.store(losses_row_ptr + JSD_SLOT * n_rows, tl.where(live, jsd, 0.0).to(E))
-    if TV:
-        tl.store(losses_row_ptr + TV_SLOT * n_rows, tl.where(live, 1.0 - overlap, 0.0).to(E))
-    if CE:
-        tl.store(losses_row_ptr + CE_SLOT * n_rows, tl.where(live, draft_lse - label_z.to(tl.float64), 0.0).to(E))
-
-    if WRITE_GRADS:
-        grad_row_ptr = grads_ptr + row * stride_grad_row
-        # slot * plane stride passes 2^31 with every loss on chunks past ~2,100 rows of V = 248,320.
-        plane_stride = tl.cast(stride_grad_loss, tl.int64)
-        draft_lse_e = draft_lse.to(E)
-        target_lse_e = target_lse.to(E)
-        lse_gap_e = (draft_lse - target_lse).to(E)
-        rkl_e = rkl.to(E)
-        jsd_q_e = jsd_q.to(E)
-        tv_q_e = tv_q.to(E)
-        for start in range(0, vocab, BLOCK_V):
-            offsets = start + tl.arange(0, BLOCK_V)
-            in_row = offsets < vocab
+def _gradient_pass(z_row_ptr, t_row_ptr, grad_row_ptr, plane_stride, vocab, label, live, draft_lse, target_lse,
+                   rkl, jsd_q, tv_q, kl_weight, rkl_weight, jsd_weight, tv_weight, ce_weight, logit_scale, softcap,
+                   inv_softcap, E: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KL: tl.constexpr, RKL: tl.constexpr,
+                   JSD: tl.constexpr, TV: tl.constexpr, CE: tl.constexpr, RKL_SLOT: tl.constexpr,
+                   JSD_SLOT: tl.constexpr, TV_SLOT: tl.constexpr, CE_SLOT: tl.constexpr, GRADS: tl.constexpr,
+                   TRANSFORM: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass D over one row: dL_l/ds into plane l at grad_row_ptr + slot * plane_stride
+    (GRADS 1), or sum_l weight_l dL_l/ds over z itself (GRADS 2). With TRANSFORM the row
+    holds raw s (and t): each tile is transformed as it is read (t stored back), so the
+    recompute needs no pass of its own. Ignored rows (not live) get 0 (where(), not a
+    product: their terms may be NaN)."""
+    SOFT: tl.constexpr = KL or RKL or JSD or TV  # reads the target (the launcher checks there is one)
+    draft_lse_e = draft_lse.to(E)
+    target_lse_e = target_lse.to(E)
+    lse_gap_e = (draft_lse - target_lse).to(E)
+    rkl_e = rkl.to(E)
+    jsd_q_e = jsd_q.to(E)
+    tv_q_e = tv_q.to(E)
+    for start in range(0, vocab, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        in_row = offsets < vocab
+        if TRANSFORM:
+            z = _transformed(tl.load(z_row_ptr + offsets, mask=in_row, other=0.0), logit_scale, softcap,
+                             inv_softcap, E, HAS_SOFTCAP)
+            z = tl.where(in_row, z, float("-inf"))
+        else:
             z = tl.load(z_row_ptr + offsets, mask=in_row, other=float("-inf"))
-            if SOFT:
+        if SOFT:
+            if TRANSFORM:
+                t = _transformed(tl.load(t_row_ptr + offsets, mask=in_row, other=0.0), logit_scale, softcap,
+                                 inv_softcap, E, HAS_SOFTCAP)
+                tl.store(t_row_ptr + offsets, t, mask=in_row)
+                t = tl.where(in_row, t, float("-inf"))
+            else:
                 t = tl.load(t_row_ptr + offsets, mask=in_row, other=float("-inf"))
-                p, q, log_ratio = _soft_entries(z, t, draft_lse_e, target_lse_e, lse_gap_e, E)
-            else:  # ce alone: q only (p and log_ratio unused)
-                q = _exp(z - draft_lse_e, E)
-                p = q
-                log_ratio = q
-            one_hot = tl.where(offsets == label, 1.0, 0.0).to(E)
-            dz_ds = _slope_of_s(z, logit_scale, inv_softcap, E, HAS_SOFTCAP)
-            # Ignored rows get 0 below (where(), not a product: their terms may be NaN).
+            p, q, log_ratio = _soft_entries(z, t, draft_lse_e, target_lse_e, lse_gap_e, E)
+        else:  # ce alone: q only (p and log_ratio unused)
+            q = _exp(z - draft_lse_e, E)
+            p = q
+            log_ratio = q
+        one_hot = tl.where(offsets == label, 1.0, 0.0).to(E)
+        dz_ds = _slope_of_s(z, logit_scale, inv_softcap, E, HAS_SOFTCAP)
+        if GRADS == 1:
             if KL:
                 slope = _loss_slope(0, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
                 tl.store(grad_row_ptr + offsets, tl.where(live, slope * dz_ds, 0.0), mask=in_row)
@@ -353,38 +292,73 @@ def draft_head_rows_fwd_kernel(
                 slope = _loss_slope(4, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
                 tl.store(grad_row_ptr + CE_SLOT * plane_stride + offsets, tl.where(live, slope * dz_ds, 0.0),
                          mask=in_row)
+        else:
+            combined = tl.zeros([BLOCK_V], E)
+            if KL:
+                combined += kl_weight * _loss_slope(0, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
+            if RKL:
+                combined += rkl_weight * _loss_slope(1, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
+            if JSD:
+                combined += jsd_weight * _loss_slope(2, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
+            if TV:
+                combined += tv_weight * _loss_slope(3, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
+            if CE:
+                combined += ce_weight * _loss_slope(4, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
+            tl.store(z_row_ptr + offsets, tl.where(live, combined * dz_ds, 0.0), mask=in_row)
 
 
 @triton.jit
-def draft_head_rows_bwd_kernel(
-    logits_ptr,  # [R, V] raw s in, the combined dense dL/ds out; rows at stride_logits_row
+def _row_label(labels_ptr, row, stride_labels, HAS_LABELS: tl.constexpr):
+    """The row's label (-1: none). A volatile load: where it is first needed after the
+    passes, the compiler would otherwise hoist it and hold it across them (with their fp64
+    values live, ptxas parked it on the stack)."""
+    label = tl.full([], -1, tl.int64)
+    if HAS_LABELS:
+        label = tl.load(labels_ptr + row * stride_labels, volatile=True)
+    return label
+
+
+@triton.jit
+def draft_head_rows_kernel(
+    logits_ptr,  # [R, V] raw s in (MODE 3 without TRANSFORM: z); z out, or (GRADS 2) the combined dL/ds
     target_ptr,  # [R, V] raw target logits in, transformed t out (HAS_TARGET; else a stand-in)
-    labels_ptr,  # [R] int64 at stride_labels (HAS_LABELS)
-    grad_losses_ptr,  # [L, R] at (stride_grad_loss, stride_grad_row): each loss's upstream gradient
+    labels_ptr,  # [R] int64 at stride_labels: a label, -100 (ignored row) or -1 (none here) (HAS_LABELS)
+    losses_ptr,  # MODE 0: [L, R] contiguous, the planes' dtype: the requested losses in LOSS_ORDER
+    stats_ptr,  # MODE 0: [R, 3] contiguous: lse(z), lse(t) (0 without target), sum min(p, q) (0 without)
+    shard_ptr,  # fp64, MODE 2: [R, 2] the local lse(z), lse(t); MODE 3 with SHARES: [R, 6] the shares
+    row_stats_ptr,  # MODE 3: [R, 7] fp64: shift, lse(z), shift, lse(t), sum rkl, sum jsd_q, sum tv_q
+    grads_ptr,  # GRADS 1: [L, R, V] at (stride_grad_loss, stride_grad_row, 1): dL/ds per loss
+    grad_losses_ptr,  # GRADS 2: [L, R] at (stride_weight_loss, stride_weight_row): upstream gradients
+    n_rows,
     vocab,
     stride_logits_row,
     stride_target_row,
     stride_labels,
     stride_grad_loss,
     stride_grad_row,
+    stride_weight_loss,
+    stride_weight_row,
     logit_scale: tl.float64,
     softcap: tl.float64,  # > 0 with HAS_SOFTCAP
     inv_softcap: tl.float64,  # 1 / softcap (with HAS_SOFTCAP)
-    LOSS_MASK: tl.constexpr,
+    LOSS_MASK: tl.constexpr,  # bit i: LOSS_ORDER[i] = kl_div, rkl, jsd, tv, ce
     HAS_TARGET: tl.constexpr,
     HAS_LABELS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    MODE: tl.constexpr,  # 0 forward, 1 backward, 2 shard statistics, 3 shard rows (the module docstring)
+    TRANSFORM: tl.constexpr,  # MODE 3: the logits are raw
+    SHARES: tl.constexpr,  # MODE 3: pass C into shard_ptr
+    GRADS: tl.constexpr,  # 0 none, 1 planes, 2 combined over the logits
     BLOCK_V: tl.constexpr,
 ):
-    """One row per program: the forward's passes recomputed, then s <- sum_l g_l dL_l/ds
-    (the dense part; the caller adds the top-k and label logits' sparse terms)."""
+    """One row per program (the module docstring's passes, by MODE)."""
     E: tl.constexpr = logits_ptr.dtype.element_ty
     KL: tl.constexpr = (LOSS_MASK & 1) != 0
     RKL: tl.constexpr = (LOSS_MASK & 2) != 0
     JSD: tl.constexpr = (LOSS_MASK & 4) != 0
     TV: tl.constexpr = (LOSS_MASK & 8) != 0
     CE: tl.constexpr = (LOSS_MASK & 16) != 0
-    SOFT: tl.constexpr = (LOSS_MASK & 15) != 0  # reads the target (the launcher checks there is one)
+    # Each requested loss's slot in the [L, ...] tensors: how many requested losses precede it.
     RKL_SLOT: tl.constexpr = LOSS_MASK & 1
     JSD_SLOT: tl.constexpr = (LOSS_MASK & 1) + ((LOSS_MASK >> 1) & 1)
     TV_SLOT: tl.constexpr = (LOSS_MASK & 1) + ((LOSS_MASK >> 1) & 1) + ((LOSS_MASK >> 2) & 1)
@@ -393,72 +367,112 @@ def draft_head_rows_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     z_row_ptr = logits_ptr + row * stride_logits_row
     t_row_ptr = target_ptr + row * stride_target_row
-    label = tl.full([], -1, tl.int64)
-    if HAS_LABELS:
-        label = tl.load(labels_ptr + row * stride_labels)
-    live = label != IGNORE_INDEX
-    weights_ptr = grad_losses_ptr + row * stride_grad_row
-    zero = tl.zeros([], E)
-    kl_weight = zero
-    rkl_weight = zero
-    jsd_weight = zero
-    tv_weight = zero
-    ce_weight = zero
-    if KL:
-        kl_weight = tl.load(weights_ptr)
-    if RKL:
-        rkl_weight = tl.load(weights_ptr + RKL_SLOT * stride_grad_loss)
-    if JSD:
-        jsd_weight = tl.load(weights_ptr + JSD_SLOT * stride_grad_loss)
-    if TV:
-        tv_weight = tl.load(weights_ptr + TV_SLOT * stride_grad_loss)
-    if CE:
-        ce_weight = tl.load(weights_ptr + CE_SLOT * stride_grad_loss)
+    label_z = tl.zeros([], E)
+    if MODE == 0 and CE:
+        label = _row_label(labels_ptr, row, stride_labels, HAS_LABELS)
+        # The raw logit at the label, read before pass AB overwrites it; an out-of-range
+        # label (unchecked on the device) reads nothing and makes the ce NaN.
+        has_label = (label >= 0) & (label < vocab)
+        label_s = tl.load(z_row_ptr + tl.where(has_label, label, 0), mask=has_label, other=float("nan"))
+        label_z = _transformed(label_s, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP)
+        tl.debug_barrier()
 
-    draft_lse = _transform_row(z_row_ptr, vocab, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP, BLOCK_V)
+    # The normalisers: pass AB, or (MODE 3) merged across the ranks.
+    draft_lse = tl.zeros([], tl.float64)
     target_lse = tl.zeros([], tl.float64)
-    if HAS_TARGET:
-        target_lse = _transform_row(t_row_ptr, vocab, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP, BLOCK_V)
-    tl.debug_barrier()
-
     rkl = tl.zeros([], tl.float64)
     jsd_q = tl.zeros([], tl.float64)
     tv_q = tl.zeros([], tl.float64)
-    if RKL or JSD or TV:
-        _, rkl, _, _, jsd_q, tv_q = _soft_sums(
-            z_row_ptr, t_row_ptr, vocab, draft_lse, target_lse, E, False, RKL, JSD, False, TV, BLOCK_V,
-        )
+    if MODE == 3:
+        row_stats = row_stats_ptr + row * 7
+        draft_lse = tl.load(row_stats + 1)
+        target_lse = tl.load(row_stats + 3)
+        rkl = tl.load(row_stats + 4)
+        jsd_q = tl.load(row_stats + 5)
+        tv_q = tl.load(row_stats + 6)
+    else:
+        draft_lse = _transform_row(z_row_ptr, vocab, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP, BLOCK_V)
+        if HAS_TARGET:
+            target_lse = _transform_row(t_row_ptr, vocab, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP,
+                                        BLOCK_V)
         tl.debug_barrier()
 
-    draft_lse_e = draft_lse.to(E)
-    target_lse_e = target_lse.to(E)
-    lse_gap_e = (draft_lse - target_lse).to(E)
-    rkl_e = rkl.to(E)
-    jsd_q_e = jsd_q.to(E)
-    tv_q_e = tv_q.to(E)
-    for start in range(0, vocab, BLOCK_V):
-        offsets = start + tl.arange(0, BLOCK_V)
-        in_row = offsets < vocab
-        z = tl.load(z_row_ptr + offsets, mask=in_row, other=float("-inf"))
-        if SOFT:
-            t = tl.load(t_row_ptr + offsets, mask=in_row, other=float("-inf"))
-            p, q, log_ratio = _soft_entries(z, t, draft_lse_e, target_lse_e, lse_gap_e, E)
-        else:  # ce alone: q only (p and log_ratio unused)
-            q = _exp(z - draft_lse_e, E)
-            p = q
-            log_ratio = q
-        one_hot = tl.where(offsets == label, 1.0, 0.0).to(E)
-        combined = tl.zeros([BLOCK_V], E)
-        if KL:
-            combined += kl_weight * _loss_slope(0, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
-        if RKL:
-            combined += rkl_weight * _loss_slope(1, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
-        if JSD:
-            combined += jsd_weight * _loss_slope(2, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
-        if TV:
-            combined += tv_weight * _loss_slope(3, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
-        if CE:
-            combined += ce_weight * _loss_slope(4, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
-        grad = combined * _slope_of_s(z, logit_scale, inv_softcap, E, HAS_SOFTCAP)
-        # Ignored rows: 0 (where(), not a product: their terms may be NaN).
-        tl.store(z_row_ptr + offsets, tl.where(live, grad, 0.0), mask=in_row)
+    if MODE == 2:
+        tl.store(shard_ptr + row * 2, draft_lse)
+        tl.store(shard_ptr + row * 2 + 1, target_lse)
+    else:
+        # Pass C: what this mode needs of the losses' sums.
+        kl = tl.zeros([], tl.float64)
+        jsd = tl.zeros([], tl.float64)
+        overlap = tl.zeros([], tl.float64)
+        if MODE == 0 and HAS_TARGET:
+            kl, rkl, jsd, overlap, jsd_q, tv_q = _soft_sums(
+                z_row_ptr, t_row_ptr, vocab, draft_lse, target_lse, E,
+                KL, RKL, JSD, True, TV and GRADS == 1, BLOCK_V,
+            )
+            tl.debug_barrier()
+        if MODE == 1 and (RKL or JSD or TV):
+            _, rkl, _, _, jsd_q, tv_q = _soft_sums(
+                z_row_ptr, t_row_ptr, vocab, draft_lse, target_lse, E, False, RKL, JSD, False, TV, BLOCK_V,
+            )
+            tl.debug_barrier()
+        if MODE == 3 and SHARES and HAS_TARGET:
+            # Sums against the global normalisers: rkl, jsd_q, tv_q here are this shard's
+            # shares (a D pass in the same launch uses them only for kl_div / ce).
+            kl, rkl, jsd, overlap, jsd_q, tv_q = _soft_sums(
+                z_row_ptr, t_row_ptr, vocab, draft_lse, target_lse, E, KL, RKL, JSD, True, TV, BLOCK_V,
+            )
+            tl.debug_barrier()
+        label = _row_label(labels_ptr, row, stride_labels, HAS_LABELS)
+        live = label != IGNORE_INDEX
+        if MODE == 3 and SHARES:
+            shares = shard_ptr + row * 6
+            tl.store(shares, tl.where(live, kl, 0.0))
+            tl.store(shares + 1, tl.where(live, rkl, 0.0))
+            tl.store(shares + 2, tl.where(live, jsd, 0.0))
+            tl.store(shares + 3, overlap)
+            tl.store(shares + 4, tl.where(live, jsd_q, 0.0))
+            tl.store(shares + 5, tl.where(live, tv_q, 0.0))
+        if MODE == 0:
+            stats_row_ptr = stats_ptr + row * 3
+            tl.store(stats_row_ptr, draft_lse.to(E))
+            tl.store(stats_row_ptr + 1, target_lse.to(E))
+            tl.store(stats_row_ptr + 2, overlap.to(E))
+            losses_row_ptr = losses_ptr + row
+            if KL:
+                tl.store(losses_row_ptr, tl.where(live, kl, 0.0).to(E))
+            if RKL:
+                tl.store(losses_row_ptr + RKL_SLOT * n_rows, tl.where(live, rkl, 0.0).to(E))
+            if JSD:
+                tl.store(losses_row_ptr + JSD_SLOT * n_rows, tl.where(live, jsd, 0.0).to(E))
+            if TV:
+                tl.store(losses_row_ptr + TV_SLOT * n_rows, tl.where(live, 1.0 - overlap, 0.0).to(E))
+            if CE:
+                tl.store(losses_row_ptr + CE_SLOT * n_rows,
+                         tl.where(live, draft_lse - label_z.to(tl.float64), 0.0).to(E))
+
+        if GRADS != 0:
+            zero = tl.zeros([], E)
+            kl_weight = zero
+            rkl_weight = zero
+            jsd_weight = zero
+            tv_weight = zero
+            ce_weight = zero
+            if GRADS == 2:
+                weights_ptr = grad_losses_ptr + row * stride_weight_row
+                if KL:
+                    kl_weight = tl.load(weights_ptr)
+                if RKL:
+                    rkl_weight = tl.load(weights_ptr + RKL_SLOT * stride_weight_loss)
+                if JSD:
+                    jsd_weight = tl.load(weights_ptr + JSD_SLOT * stride_weight_loss)
+                if TV:
+                    tv_weight = tl.load(weights_ptr + TV_SLOT * stride_weight_loss)
+                if CE:
+                    ce_weight = tl.load(weights_ptr + CE_SLOT * stride_weight_loss)
+            # slot * plane stride passes 2^31 with every loss on chunks past ~2,100 rows of V = 248,320.
+            _gradient_pass(z_row_ptr, t_row_ptr, grads_ptr + row * stride_grad_row,
+                           tl.cast(stride_grad_loss, tl.int64), vocab, label, live, draft_lse, target_lse, rkl,
+                           jsd_q, tv_q, kl_weight, rkl_weight, jsd_weight, tv_weight, ce_weight, logit_scale,
+                           softcap, inv_softcap, E, HAS_SOFTCAP, KL, RKL, JSD, TV, CE, RKL_SLOT, JSD_SLOT, TV_SLOT,
+                           CE_SLOT, GRADS, MODE == 3 and TRANSFORM, BLOCK_V)

@@ -1,8 +1,10 @@
-"""Launchers of the draft head's Triton row kernels (row_kernels.py): checks, tiles, grids.
+"""Launchers of the draft head's Triton row kernel (row_kernels.py): checks, tiles, grids.
 
 One chunk of R rows of raw logits s = h W^T [R, V] (and the target's t) at a time, as
-csrc/head_cpu.cpp's CPU op takes it, without its ranking: top-k and argmax are the
-caller's, with torch on the transformed logits these kernels leave in place.
+csrc/head_cpu.cpp's CPU op takes it (head_rows_triton, head_rows_backward_triton), or a
+vocab-parallel rank's shard of them, as csrc/head_shard_cpu.cpp's ops take it
+(shard_stats_triton, shard_rows_triton). The ranking is the top-k kernel's
+(topk_launch.py), on the transformed logits the row kernel leaves in place.
 
 Grid: one program per row, looping over V in BLOCK_V tiles. Every loss is a per-row
 reduction, so a row in one program needs no cross-program merge (no partials buffer,
@@ -20,7 +22,10 @@ thread stay cheap in registers: kl_div with planes 39 a thread (six programs, 48
 an SM), every loss 76 (three programs), fp64 every loss 96. With a softcap the tanh runs
 in fp64 (row_kernels._tanh64) and 4 fp32 entries a thread already spill (ptxas settles
 at 80 registers with every loss): 2 entries a thread there, BLOCK_V 1024 over 16 warps
-(fp32) or 512 over 8 (fp64), at most 72 registers. Not measured on a GPU yet.
+(fp32) or 512 over 16 (fp64: one entry a thread; over 8 warps the fp64 divisions' slow
+path needed a stack frame in the shard backward's fused transform). (Register counts from
+before the four modes became one kernel; the test's bound is no spill and no stack.) Not
+measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from .. import reference
 from ..conv.launch import KernelLaunch
 from .checks import loss_count
-from .row_kernels import draft_head_rows_bwd_kernel, draft_head_rows_fwd_kernel
+from .row_kernels import draft_head_rows_kernel
 
 LOSS_ORDER = reference.DRAFT_HEAD_LOSSES  # bit i of loss_mask = LOSS_ORDER[i]
 assert LOSS_ORDER == ("kl_div", "rkl", "jsd", "tv", "ce"), "row_kernels.py hard-codes this order"
@@ -43,14 +48,14 @@ IGNORE_INDEX = reference.IGNORE_INDEX
 NO_LABEL = -1
 
 # Under TRITON_INTERPRET=1, triton.jit hands back an interpreter object: CPU tensors run.
-KERNELS_INTERPRETED = type(draft_head_rows_fwd_kernel).__name__ == "InterpretedFunction"
+KERNELS_INTERPRETED = type(draft_head_rows_kernel).__name__ == "InterpretedFunction"
 
 # (plane dtype, softcap) -> (BLOCK_V, num_warps); see the module docstring.
 _TILES = {
     (torch.float32, False): (2048, 8),  # 8 entries a thread: two 16-byte loads a plane
     (torch.float64, False): (1024, 8),  # 4 entries a thread: the same bytes
     (torch.float32, True): (1024, 16),  # 2 entries a thread: the fp64 tanh's registers
-    (torch.float64, True): (512, 8),
+    (torch.float64, True): (512, 16),  # 1 entry a thread: see the module docstring
 }
 _MAX_PROGRAMS = 2**31 - 1
 
@@ -107,7 +112,7 @@ def _check_scalars(loss_mask, logit_scale, softcap) -> None:
         raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}.")
 
 
-def _check_labels(labels, rows: int, vocab: int, device, loss_mask: int) -> None:
+def _check_labels(labels, rows: int, vocab: int, device, loss_mask: int, absent: bool = False) -> None:
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor or None, got {type(labels).__name__}.")
     if labels.dtype != torch.int64:
@@ -120,17 +125,19 @@ def _check_labels(labels, rows: int, vocab: int, device, loss_mask: int) -> None
     # outside the row for a bad label, it makes that row's ce NaN instead.
     if labels.device.type == "cpu" and rows:
         allowed = (labels == IGNORE_INDEX) | ((labels >= 0) & (labels < vocab))
-        if not loss_mask & CE_MASK:
+        if absent or not loss_mask & CE_MASK:
             allowed |= labels == NO_LABEL
         if not bool(allowed.all()):
             bad = int(labels[~allowed][0])
-            extra = "" if loss_mask & CE_MASK else ", -1 (no label)"
+            extra = ", -1 (no label)" if absent or not loss_mask & CE_MASK else ""
             raise IndexError(f"labels holds {bad}, out of range for a vocabulary of {vocab} "
                              f"(allowed: [0, {vocab}), -100 (ignored row){extra}).")
 
 
-def _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap) -> tuple[int, int]:
-    """The checks both directions share; returns (rows, vocab)."""
+def _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap,
+                  absent_labels: bool = False) -> tuple[int, int]:
+    """The checks every launcher shares; returns (rows, vocab). absent_labels: -1 is a
+    label (one on another shard) even with ce."""
     _check_plane("logits", logits, None, None, None, None)
     rows, vocab = logits.shape
     if vocab < 1:
@@ -144,7 +151,7 @@ def _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap
     elif loss_mask & SOFT_LOSS_MASK:
         raise ValueError("loss_mask asks for a soft loss (kl_div, rkl, jsd, tv), which needs target_logits.")
     if labels is not None:
-        _check_labels(labels, rows, vocab, logits.device, loss_mask)
+        _check_labels(labels, rows, vocab, logits.device, loss_mask, absent_labels)
     elif loss_mask & CE_MASK:
         raise ValueError("loss_mask asks for ce, which needs labels (resolved by the caller).")
     return rows, vocab
@@ -152,59 +159,56 @@ def _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap
 
 # --- plans: one launch, fully decided (what the launchers run and the AOT test compiles) -
 
+# row_kernels.draft_head_rows_kernel's modes.
+FORWARD, BACKWARD, SHARD_STATS, SHARD_ROWS = 0, 1, 2, 3
 
-def _common_args(logits, target_logits, labels) -> dict:
-    return dict(
+
+def plan_head_rows(mode: int, logits, target_logits, labels, loss_mask, logit_scale, softcap, *, losses=None,
+                   stats=None, shard_out=None, row_stats=None, loss_grads=None, grad_losses=None,
+                   transform=False, shares=False) -> KernelLaunch:
+    """The launch of ``mode`` over checked arguments. Outputs by mode: FORWARD writes losses
+    [L, R] and stats [R, 3] (and the [L, R, V] loss_grads planes when given); BACKWARD the
+    combined dL/ds over logits (grad_losses [L, R]); SHARD_STATS shard_out [R, 2] float64;
+    SHARD_ROWS (row_stats [R, 7] float64) shard_out [R, 6] float64 with ``shares``, and
+    loss_grads or, with grad_losses, the combined dL/ds."""
+    rows, vocab = logits.shape
+    block_v, num_warps = row_tiles(logits.dtype, softcap > 0)
+    if loss_grads is not None and loss_grads.shape[0] > 0:
+        grads = 1
+    elif grad_losses is not None:
+        grads = 2
+    else:
+        grads = 0
+    # Stand-ins for absent tensors: the kernel never touches them (constexpr-pruned).
+    planes = loss_grads if grads == 1 else logits
+    weights = grad_losses if grads == 2 and grad_losses.shape[0] else None
+    args = dict(
         logits_ptr=logits,
-        # Stand-ins for absent tensors: the kernels never touch them (constexpr-pruned).
         target_ptr=logits if target_logits is None else target_logits,
         labels_ptr=logits if labels is None else labels,
+        # No loss: losses is [0, R] (perhaps no storage); never written, stats stands in.
+        losses_ptr=losses if losses is not None and losses.shape[0] else (logits if stats is None else stats),
+        stats_ptr=logits if stats is None else stats,
+        shard_ptr=logits if shard_out is None else shard_out,
+        row_stats_ptr=logits if row_stats is None else row_stats,
+        grads_ptr=planes,
+        grad_losses_ptr=logits if weights is None else weights,
+        n_rows=rows, vocab=vocab,
         stride_logits_row=logits.stride(0),
         stride_target_row=(logits if target_logits is None else target_logits).stride(0),
         stride_labels=1 if labels is None else labels.stride(0),
-    )
-
-
-def plan_head_rows_forward(logits, target_logits, labels, loss_mask, logit_scale, softcap, losses, stats,
-                           loss_grads) -> KernelLaunch:
-    """The forward launch over checked arguments, writing losses [L, R], stats [R, 3] and
-    (loss_grads not None) the [L, R, V] planes."""
-    rows, vocab = logits.shape
-    block_v, num_warps = row_tiles(logits.dtype, softcap > 0)
-    write_grads = loss_grads is not None and loss_grads.shape[0] > 0
-    grads = loss_grads if write_grads else logits
-    args = dict(
-        _common_args(logits, target_logits, labels),
-        # No loss: losses is [0, R] (perhaps no storage); never written, stats stands in.
-        losses_ptr=losses if losses.shape[0] else stats, stats_ptr=stats, grads_ptr=grads,
-        n_rows=rows, vocab=vocab,
-        stride_grad_loss=grads.stride(0) if write_grads else 0,
-        stride_grad_row=grads.stride(1) if write_grads else 0,
+        stride_grad_loss=planes.stride(0) if grads == 1 else 0,
+        stride_grad_row=planes.stride(1) if grads == 1 else 0,
+        stride_weight_loss=weights.stride(0) if weights is not None else 0,
+        stride_weight_row=weights.stride(1) if weights is not None else 0,
         logit_scale=float(logit_scale), softcap=float(softcap), inv_softcap=1.0 / softcap if softcap > 0 else 0.0,
     )
     constexprs = dict(
         LOSS_MASK=loss_mask, HAS_TARGET=target_logits is not None, HAS_LABELS=labels is not None,
-        HAS_SOFTCAP=softcap > 0, WRITE_GRADS=write_grads, BLOCK_V=block_v,
+        HAS_SOFTCAP=softcap > 0, MODE=mode, TRANSFORM=bool(transform), SHARES=bool(shares), GRADS=grads,
+        BLOCK_V=block_v,
     )
-    return KernelLaunch(draft_head_rows_fwd_kernel, rows, args, constexprs, num_warps)
-
-
-def plan_head_rows_backward(logits, target_logits, labels, loss_mask, logit_scale, softcap,
-                            grad_losses) -> KernelLaunch:
-    """The backward launch over checked arguments: logits <- the combined dense dL/ds."""
-    rows, vocab = logits.shape
-    block_v, num_warps = row_tiles(logits.dtype, softcap > 0)
-    args = dict(
-        _common_args(logits, target_logits, labels),
-        grad_losses_ptr=grad_losses if grad_losses.shape[0] else logits, vocab=vocab,
-        stride_grad_loss=grad_losses.stride(0), stride_grad_row=grad_losses.stride(1),
-        logit_scale=float(logit_scale), softcap=float(softcap), inv_softcap=1.0 / softcap if softcap > 0 else 0.0,
-    )
-    constexprs = dict(
-        LOSS_MASK=loss_mask, HAS_TARGET=target_logits is not None, HAS_LABELS=labels is not None,
-        HAS_SOFTCAP=softcap > 0, BLOCK_V=block_v,
-    )
-    return KernelLaunch(draft_head_rows_bwd_kernel, rows, args, constexprs, num_warps)
+    return KernelLaunch(draft_head_rows_kernel, rows, args, constexprs, num_warps)
 
 
 # --- the launchers -----------------------------------------------------------------------
@@ -251,8 +255,8 @@ def head_rows_triton(logits, target_logits, labels, loss_mask, logit_scale, soft
     if rows == 0:
         return losses, stats
     _check_grid(rows)
-    plan_head_rows_forward(logits, target_logits, labels, loss_mask, logit_scale, softcap, losses, stats,
-                           loss_grads).run(logits)
+    plan_head_rows(FORWARD, logits, target_logits, labels, loss_mask, logit_scale, softcap, losses=losses,
+                   stats=stats, loss_grads=loss_grads).run(logits)
     return losses, stats
 
 
@@ -278,7 +282,84 @@ def head_rows_backward_triton(logits, target_logits, labels, loss_mask, logit_sc
     if rows == 0:
         return
     _check_grid(rows)
-    plan_head_rows_backward(logits, target_logits, labels, loss_mask, logit_scale, softcap, grad_losses).run(logits)
+    plan_head_rows(BACKWARD, logits, target_logits, labels, loss_mask, logit_scale, softcap,
+                   grad_losses=grad_losses).run(logits)
+
+
+def _check_matrix(name: str, tensor, shape: tuple, dtype: torch.dtype, device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}.")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {tuple(tensor.shape)}.")
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on {device} like logits, got {tensor.device}.")
+
+
+def shard_stats_triton(logits, target_logits, top_k, logit_scale, softcap, logits_dtype):
+    """The vocab-parallel head's first pass over one rank's chunk (csrc/head_shard_cpu.cpp's
+    draft_head_shard_stats_cpu, on CUDA): logits [R, V_local] raw in, z out (target_logits
+    likewise) -> (stats [R, 3] float64: local lse of z, of t, t at the target's local argmax;
+    topk_ids [R, k] int64 local, by the logits rounded to logits_dtype, ties to the lower
+    id; topk_values [R, k] float64, z there; target_argmax [R] int64 local)."""
+    from .topk_launch import row_topk_triton
+
+    rows, vocab = _check_common(logits, target_logits, None, 0, logit_scale, softcap)
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 0 <= top_k <= vocab:
+        raise ValueError(f"top_k must be an int in [0, {vocab}], got {top_k!r}.")
+    if logits_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"logits_dtype must be a float dtype, got {logits_dtype!r}.")
+    local_lse = torch.empty((rows, 2), dtype=torch.float64, device=logits.device)
+    if rows:
+        _check_grid(rows)
+        plan_head_rows(SHARD_STATS, logits, target_logits, None, 0, logit_scale, softcap,
+                       shard_out=local_lse).run(logits)
+    rounded = logits if logits_dtype.itemsize >= logits.dtype.itemsize else logits.to(logits_dtype)
+    topk_ids = row_topk_triton(rounded, top_k)
+    stats = torch.zeros((rows, 3), dtype=torch.float64, device=logits.device)
+    stats[:, 0] = local_lse[:, 0]
+    target_argmax = torch.zeros(rows, dtype=torch.long, device=logits.device)
+    if target_logits is not None:
+        target_argmax = torch.argmax(target_logits.to(logits_dtype), dim=1)
+        stats[:, 1] = local_lse[:, 1]
+        stats[:, 2] = target_logits.gather(1, target_argmax[:, None])[:, 0]
+    return stats, topk_ids, logits.gather(1, topk_ids).double(), target_argmax
+
+
+def shard_rows_triton(logits, target_logits, labels, loss_mask, logit_scale, softcap, row_stats, transform, shares,
+                      loss_grads, grad_losses):
+    """The vocab-parallel head's second pass over one rank's chunk (csrc/head_shard_cpu.cpp's
+    draft_head_shard_rows_cpu, on CUDA): labels [R] local (-1: on another shard), row_stats
+    [R, 7] float64 (the merged normalisers and sums) -> shares [R, 6] float64 (or [0, 6]);
+    dL/ds into loss_grads [L, R, V_local], or with grad_losses [L, R] over logits."""
+    if labels is None:
+        raise TypeError("labels must be a torch.Tensor ([R] int64: local ids, -1 elsewhere, -100 ignored), got None.")
+    rows, vocab = _check_common(logits, target_logits, labels, loss_mask, logit_scale, softcap, absent_labels=True)
+    _check_matrix("row_stats", row_stats, (rows, 7), torch.float64, logits.device)
+    losses_n = loss_count(loss_mask)
+    if loss_grads is not None and grad_losses is not None:
+        raise ValueError("loss_grads (forward) and grad_losses (backward) exclude each other: pass one.")
+    if loss_grads is not None:
+        _check_matrix("loss_grads", loss_grads, (losses_n, rows, vocab), logits.dtype, logits.device)
+        if vocab > 1 and loss_grads.stride(2) != 1:
+            raise ValueError(f"loss_grads must have a unit last stride, got strides {loss_grads.stride()}.")
+        if shares and loss_mask & 0b01110:
+            raise ValueError("loss_grads with shares: rkl, jsd and tv's gradients need the row sums of every shard "
+                             "(row_stats' last columns): merge the shares first, then pass loss_grads in a second "
+                             "call.")
+    if grad_losses is not None:
+        _check_matrix("grad_losses", grad_losses, (losses_n, rows), logits.dtype, logits.device)
+    if transform and (shares or grad_losses is None):
+        raise ValueError("transform (raw logits in) is the backward's recompute here: pass grad_losses, and shares "
+                         "False (the kernel transforms each tile as its gradient pass reads it).")
+    out = torch.empty((rows if shares else 0, 6), dtype=torch.float64, device=logits.device)
+    if rows:
+        _check_grid(rows)
+        plan_head_rows(SHARD_ROWS, logits, target_logits, labels, loss_mask, logit_scale, softcap,
+                       shard_out=out if shares else None, row_stats=row_stats.contiguous(), loss_grads=loss_grads,
+                       grad_losses=grad_losses, transform=transform, shares=shares).run(logits)
+    return out
 
 
 def _check_grid(rows: int) -> None:

@@ -74,3 +74,36 @@ if EXTENSION_LOADED:
         if grad_losses.dtype != logits.dtype or tuple(grad_losses.shape) != (losses, rows):
             raise ValueError(f"{op}: grad_losses must be {logits.dtype} [{losses}, {rows}], got "
                              f"{grad_losses.dtype} {tuple(grad_losses.shape)}.")
+
+    @torch.library.register_fake("dflash2::draft_head_shard_stats_cpu")
+    def _(logits, target_logits, top_k, logit_scale, softcap, logits_dtype):
+        rows, vocab, _ = _check_rows("draft_head_shard_stats_cpu", logits, target_logits, None, 0, top_k,
+                                     logit_scale, softcap, logits_dtype)
+        new = logits.new_empty
+        return (new((rows, 3), dtype=torch.float64), new((rows, top_k), dtype=torch.long),
+                new((rows, top_k), dtype=torch.float64), new((rows,), dtype=torch.long))
+
+    @torch.library.register_fake("dflash2::draft_head_shard_rows_cpu")
+    def _(logits, target_logits, labels, loss_mask, logit_scale, softcap, row_stats, transform, shares, loss_grads,
+          grad_losses):
+        op = "draft_head_shard_rows_cpu"
+        for name, tensor in (("labels", labels), ("row_stats", row_stats)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{op}: {name} must be a tensor, got {type(tensor).__name__}.")
+        rows, vocab, losses = _check_rows(op, logits, target_logits, labels, loss_mask, 0, logit_scale, softcap,
+                                          logits.dtype, row_stats=row_stats, loss_grads=loss_grads,
+                                          grad_losses=grad_losses)
+        if row_stats.dtype != torch.float64 or tuple(row_stats.shape) != (rows, 7):
+            raise ValueError(f"{op}: row_stats must be float64 [{rows}, 7], got {row_stats.dtype} "
+                             f"{tuple(row_stats.shape)}.")
+        if loss_grads is not None and grad_losses is not None:
+            raise ValueError(f"{op}: loss_grads (forward) and grad_losses (backward) exclude each other: pass one.")
+        if loss_grads is not None and (loss_grads.dtype != logits.dtype
+                                       or tuple(loss_grads.shape) != (losses, rows, vocab)):
+            raise ValueError(f"{op}: loss_grads must be {logits.dtype} [{losses}, {rows}, {vocab}], got "
+                             f"{loss_grads.dtype} {tuple(loss_grads.shape)}.")
+        if grad_losses is not None and (grad_losses.dtype != logits.dtype
+                                        or tuple(grad_losses.shape) != (losses, rows)):
+            raise ValueError(f"{op}: grad_losses must be {logits.dtype} [{losses}, {rows}], got "
+                             f"{grad_losses.dtype} {tuple(grad_losses.shape)}.")
+        return logits.new_empty((rows if shares else 0, 6), dtype=torch.float64)

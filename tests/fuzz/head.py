@@ -1239,3 +1239,256 @@ def draft_head_rows_backward_cpu_case(draw: Draw) -> Case:
         assert_contract("logits (sum_l grad_losses[l] dL_l/ds)", grad_s, grads["in_dtype"], grads["exact"])
 
     return Case(f"valid ({setup.kind})", run, Agrees(judge), args)
+
+
+# --- the vocab-parallel shard ops -------------------------------------------------------------------
+
+
+def _stats_setup(draw: Draw) -> RowsSetup:
+    """A rank's raw logits (draw_rows), without labels or losses: the statistics pass takes neither."""
+    setup = draw_rows(draw)
+    setup.labels, setup.losses = None, ()
+    return setup
+
+
+def _judge_shard_stats(setup: RowsSetup, result) -> None:
+    out, z_after, t_after = result
+    assert isinstance(out, (tuple, list)) and len(out) == 4, f"expected 4 outputs, got {out!r}"
+    stats, ids, values, target_argmax = out
+    rows, vocab = setup.logits.shape
+    k, dtype = setup.top_k, setup.logits.dtype
+    for name, tensor, shape, want in (("stats", stats, (rows, 3), torch.float64), ("topk_ids", ids, (rows, k), torch.int64),
+                                      ("topk_values", values, (rows, k), torch.float64),
+                                      ("target_argmax", target_argmax, (rows,), torch.int64)):
+        assert tuple(tensor.shape) == shape and tensor.dtype == want, \
+            f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected {want} {shape}"
+    truth = _rows_truth(setup, None, losses=False)
+    z_in, z64 = truth["in_dtype"]["z"].detach(), truth["exact"]["z"].detach()
+    assert_a_top_k("topk_ids", ids, z64, _rows_bound(setup, z_in, z64), setup.logits_dtype)
+    assert_contract("logits (transformed in place)", z_after, z_in, z64)
+    assert_contract("topk_values", values, z_in.gather(-1, ids).double(), z64.gather(-1, ids), compute_dtype=dtype)
+    assert_contract("stats[:, 0] (the shard's lse of z)", stats[:, 0], torch.logsumexp(z_in, -1).double(),
+                    torch.logsumexp(z64, -1), compute_dtype=dtype)
+    if setup.target_logits is None:
+        assert_equal("stats[:, 1:] (0 without a target)", stats[:, 1:], torch.zeros_like(stats[:, 1:]))
+        assert_equal("target_argmax (0 without a target)", target_argmax, torch.zeros_like(target_argmax))
+        return
+    t_in, t64 = truth["in_dtype"]["t"].detach(), truth["exact"]["t"]
+    assert_contract("target_logits (transformed in place)", t_after, t_in, t64)
+    assert_a_top_k("target_argmax", target_argmax[:, None], t64, _rows_bound(setup, t_in, t64), setup.logits_dtype)
+    assert_contract("stats[:, 1] (the shard's lse of t)", stats[:, 1], torch.logsumexp(t_in, -1).double(),
+                    torch.logsumexp(t64, -1), compute_dtype=dtype)
+    at = target_argmax[:, None]
+    assert_contract("stats[:, 2] (t at the target argmax)", stats[:, 2], t_in.gather(-1, at)[:, 0].double(),
+                    t64.gather(-1, at)[:, 0], compute_dtype=dtype)
+
+
+def _stats_mutations(draw: Draw, setup: RowsSetup) -> list[Mutation]:
+    taken = ("logits", "target_logits", "top_k", "logit_scale", "softcap", "logits_dtype")
+    mutations = _rows_tensor_mutations(draw, setup) + _rows_scalar_mutations(draw, setup, top_k=True)
+    mutations = [m for m in mutations if m.argument in taken and "loss_mask" not in m.names]
+    if setup.target_logits is not None:
+        mutations.append(Mutation("logits itself", "target_logits", setup.logits, ("target_logits",)))
+    return at_op_boundary(mutations)
+
+
+def draft_head_shard_stats_cpu_case(draw: Draw) -> Case:
+    """dflash2::draft_head_shard_stats_cpu(logits [R, V] (raw in, transformed out),
+    target_logits, top_k, logit_scale, softcap, logits_dtype) -> (stats [R, 3] float64,
+    topk_ids [R, k], topk_values [R, k] float64, target_argmax [R])."""
+    setup = _stats_setup(draw)
+    args = dict(logits=setup.logits, target_logits=setup.target_logits, top_k=setup.top_k,
+                logit_scale=setup.logit_scale, softcap=setup.softcap or 0.0, logits_dtype=setup.logits_dtype)
+    op = torch.ops.dflash2.draft_head_shard_stats_cpu
+    if draw.chance(BAD_FRACTION):
+        broken = _stats_mutations(draw, setup)
+        if setup.target_logits is None:  # logits alone: with None the dispatcher finds no kernel to call
+            broken = [Mutation(m.label, m.argument, m.value, m.names, True) if m.value is None and
+                      m.argument == "logits" else m for m in broken]
+        return bad_case(draw, Call(_guarded(op, (0, 1)), args), broken)
+
+    def run():
+        logits, target = _fresh(setup.logits), _fresh(setup.target_logits)
+        return op(logits, target, setup.top_k, setup.logit_scale, args["softcap"], setup.logits_dtype), logits, target
+
+    return Case(f"valid ({setup.kind})", run, Agrees(lambda result: _judge_shard_stats(setup, result)), args)
+
+
+@dataclass
+class ShardSetup:
+    rows: RowsSetup  # this shard's raw logits (its columns first in the whole row)
+    other: torch.Tensor  # [R, W] raw logits of the other shards
+    other_target: torch.Tensor | None
+    labels: torch.Tensor  # [R] global ids in [0, V + W), -100 ignored
+    local: torch.Tensor  # [R] as the op takes them: the id here, -1 elsewhere, -100 kept
+
+
+def draw_shard(draw: Draw) -> ShardSetup:
+    """A shard of a row (draw_rows) and the rest of the row (up to 9 entries) beside it."""
+    setup = draw_rows(draw)
+    rows, vocab = setup.logits.shape
+    dtype = setup.logits.dtype
+    width = draw.size(0, 9, edges=(0, 1))
+    other = draw.randn((rows, width), dtype, draw.pick([1.0, 3.0]))
+    other_target = None
+    if setup.target_logits is not None:
+        other_target = (other.double() + draw.randn((rows, width), torch.float64, 1.0)).to(dtype)
+    labels = draw_labels(draw, (rows,), vocab + width)
+    local = torch.where((labels >= vocab), torch.full_like(labels, -1), labels)
+    setup.labels = draw.layout(local)
+    setup.losses = draw_losses(draw, setup.target_logits is not None, True)
+    return ShardSetup(setup, other, other_target, labels, local)
+
+
+_SHARE_COLUMNS = ("kl_div", "rkl", "jsd", "overlap", "jsd_q", "tv_q")
+
+
+def _shard_truth(shard: ShardSetup, grad: bool) -> dict:
+    """The whole row's normalisers and row sums in float64 (row_stats), and per side
+    (in_dtype: the dense reference in the logits' dtype; exact: float64) this shard's shares
+    of the sums and the whole row's losses differentiable w.r.t. this shard's raw logits."""
+    setup = shard.rows
+    vocab = setup.logits.shape[1]
+    safe = torch.where(shard.labels == IGNORE, 0, shard.labels)
+    ignored = shard.labels == IGNORE
+    out = {}
+    for name, cast in (("in_dtype", lambda x: x), ("exact", lambda x: x.double())):
+        s = cast(setup.logits.detach())
+        leaf = torch.where(s == -math.inf, -1e30, s).requires_grad_(grad)
+        z = transform(torch.cat([leaf, cast(shard.other)], 1), setup.logit_scale, setup.softcap)
+        z_masked = transform(torch.cat([s, cast(shard.other)], 1), setup.logit_scale, setup.softcap)
+        t = finite_t = None
+        if setup.target_logits is not None:
+            raw_t = torch.cat([cast(setup.target_logits.detach()), cast(shard.other_target)], 1)
+            t = transform(raw_t, setup.logit_scale, setup.softcap)
+            # As _rows_truth: -inf (masked) as -1e30 where gradients are taken, their limit.
+            finite_t = transform(torch.where(raw_t == -math.inf, -1e30, raw_t), setup.logit_scale, setup.softcap)
+        losses = reference.draft_head_row_losses(z, finite_t, safe, setup.losses)
+        losses = {n: torch.where(ignored, torch.zeros_like(v), v) for n, v in losses.items()}
+        shares = {n: torch.zeros(z.shape[0], dtype=z.dtype) for n in _SHARE_COLUMNS}
+        if t is not None:
+            log_q, log_p = torch.log_softmax(z_masked, -1), torch.log_softmax(t, -1)
+            q, p = log_q.exp(), log_p.exp()
+            log_m = torch.logaddexp(log_q, log_p) - math.log(2.0)
+            zero = lambda w, x: torch.where(w == 0, torch.zeros_like(x), w * x)  # noqa: E731
+            terms = {"kl_div": zero(p, log_p - log_q), "rkl": zero(q, log_q - log_p),
+                     "jsd": 0.5 * zero(p, log_p - log_m) + zero(q, 0.5 * (log_q - log_m)),
+                     "overlap": torch.minimum(p, q), "jsd_q": zero(q, 0.5 * (log_q - log_m)),
+                     "tv_q": zero(q, torch.where(q < p, -1.0, torch.where(q == p, -0.5, 0.0)).to(q.dtype))}
+            shares = {n: term[:, :vocab].sum(-1) for n, term in terms.items()}
+            for n in ("kl_div", "rkl", "jsd", "jsd_q", "tv_q"):  # an ignored row's sums: its overlap alone
+                shares[n] = torch.where(ignored, torch.zeros_like(shares[n]), shares[n])
+            if name == "exact":
+                whole = {n: term.sum(-1) for n, term in terms.items()}
+                row_stats = [z_masked.max(-1).values, torch.logsumexp(z_masked, -1), t.max(-1).values,
+                             torch.logsumexp(t, -1), whole["rkl"], whole["jsd_q"], whole["tv_q"]]
+        elif name == "exact":
+            zeros = torch.zeros(z.shape[0], dtype=torch.float64)
+            row_stats = [z_masked.max(-1).values, torch.logsumexp(z_masked, -1), zeros, zeros, zeros, zeros, zeros]
+        out[name] = dict(s=leaf, z=z_masked[:, :vocab].detach(), losses=losses, shares=shares)
+    out["row_stats"] = torch.stack([v.detach() for v in row_stats], 1)
+    return out
+
+
+def draft_head_shard_rows_cpu_case(draw: Draw) -> Case:
+    """dflash2::draft_head_shard_rows_cpu(logits [R, V] (z, or raw s with transform),
+    target_logits, labels [R] (local: -1 elsewhere), loss_mask, logit_scale, softcap,
+    row_stats [R, 7] float64 (the whole row's), transform, shares, loss_grads [L, R, V]?,
+    grad_losses [L, R]?) -> shares [R, 6] float64 (or [0, 6])."""
+    shard = draw_shard(draw)
+    setup = shard.rows
+    rows, vocab = setup.logits.shape
+    dtype = setup.logits.dtype
+    mask = _mask(setup.losses)
+    needs_sums = bool(mask & _mask(("rkl", "jsd", "tv")))
+    mode = draw.pick(["shares", "planes", "backward", "shares+planes"])
+    if mode == "shares+planes" and needs_sums:
+        mode = "planes"
+    shares, transform_first = "shares" in mode, mode == "backward" or draw.chance(0.3)
+    planes = _loss_planes(draw, setup) if "planes" in mode else None
+    grad_losses = draw.layout(draw.randn((len(setup.losses), rows), dtype)) if mode == "backward" else None
+    truth = _shard_truth(shard, grad=planes is not None or grad_losses is not None)
+    row_stats = truth["row_stats"]
+    z_given = setup.logits if transform_first else truth["in_dtype"]["z"].to(dtype)
+    t_given = setup.target_logits
+    if t_given is not None and not transform_first:
+        t_given = transform(setup.target_logits.detach(), setup.logit_scale, setup.softcap)
+    args = dict(logits=z_given, target_logits=t_given, labels=setup.labels, loss_mask=mask,
+                logit_scale=setup.logit_scale, softcap=setup.softcap or 0.0, row_stats=row_stats,
+                transform=transform_first, shares=shares, loss_grads=planes, grad_losses=grad_losses)
+    op = torch.ops.dflash2.draft_head_shard_rows_cpu
+    if draw.chance(BAD_FRACTION):
+        taken = tuple(args)
+        mutations = [m for m in _rows_tensor_mutations(draw, setup, planes=planes)
+                     + _rows_scalar_mutations(draw, setup, top_k=False) if m.argument in taken]
+        mutations = [m for m in mutations if not (m.argument == "labels" and m.label == "an id out of range")]
+        if rows:
+            bad = setup.labels.contiguous().clone()
+            bad[draw.integer(0, rows - 1)] = draw.pick([vocab, vocab + 1, -2, -101, -99, 2**40])
+            mutations.append(Mutation("an id out of range", "labels", bad, ("labels",)))
+        mutations += [m for m in float_tensor_mutations(draw, "row_stats", row_stats, accepted=(torch.float64,))]
+        mutations += [
+            Mutation("a column too few", "row_stats", row_stats[:, :6], ("row_stats",)),
+            Mutation("rows off by one", "row_stats", with_dim_resized(draw, row_stats, 0), ("row_stats",)),
+            Mutation("None for labels", "labels", None, ("labels",)),
+        ]
+        if planes is not None:
+            mutations.append(Mutation("both gradient forms", "grad_losses",
+                                      torch.zeros((len(setup.losses), rows), dtype=dtype),
+                                      ("grad_losses", "loss_grads")))
+            mutations.append(Mutation("a plane too few", "loss_grads", planes[1:], ("loss_grads",)))
+            if needs_sums:
+                mutations.append(Mutation("shares with planes needing the merged sums", "shares", True,
+                                          ("shares", "loss_grads")))
+        if grad_losses is not None:
+            mutations.append(Mutation("rows off by one", "grad_losses", with_dim_resized(draw, grad_losses, 1),
+                                      ("grad_losses",)))
+        return bad_case(draw, Call(_guarded(op, (0, 1, 9)), args), at_op_boundary(mutations))
+
+    def run():
+        logits, target, grads = _fresh(z_given), _fresh(t_given), _fresh(planes)
+        out = op(logits, target, setup.labels, mask, setup.logit_scale, args["softcap"], row_stats, transform_first,
+                 shares, grads, grad_losses)
+        return out, logits, grads
+
+    def judge(result) -> None:
+        out, logits_after, grads = result
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.float64 and \
+            tuple(out.shape) == ((rows if shares else 0), 6), f"shares: {out!r}"
+        # The sums the op computes: the requested losses' (and those their gradients subtract),
+        # the overlap; the others are 0.
+        computed = {"overlap", *setup.losses, *(["jsd_q"] if "jsd" in setup.losses else []),
+                    *(["tv_q"] if "tv" in setup.losses else [])}
+        for column, name in enumerate(_SHARE_COLUMNS):
+            if not shares:
+                continue
+            if setup.target_logits is None or name not in computed:
+                assert_equal(f"shares[:, {column}] ({name}, not computed)", out[:, column],
+                             torch.zeros_like(out[:, column]))
+            else:
+                assert_contract(f"shares[:, {column}] ({name})", out[:, column],
+                                truth["in_dtype"]["shares"][name].detach().double(),
+                                truth["exact"]["shares"][name].detach(), compute_dtype=dtype)
+        names = _names_of(mask)
+        wanted = {}
+        for side in ("in_dtype", "exact"):
+            losses, s = truth[side]["losses"], truth[side]["s"]
+            if planes is not None:
+                wanted[side] = [torch.autograd.grad(losses[n].sum(), s, retain_graph=True, allow_unused=True,
+                                                    materialize_grads=True)[0] for n in names]
+            elif grad_losses is not None:
+                terms = [(grad_losses[i].to(losses[n].dtype) * losses[n]).sum() for i, n in enumerate(names)]
+                wanted[side] = torch.autograd.grad(sum(terms), s, allow_unused=True, materialize_grads=True)[0] \
+                    if terms else torch.zeros_like(s)
+        if planes is not None:
+            for i, name in enumerate(names):
+                assert_contract(f"loss_grads[{name!r}] (dL/ds)", grads[i], wanted["in_dtype"][i],
+                                wanted["exact"][i])
+        elif grad_losses is not None:
+            assert_contract("logits (sum_l grad_losses[l] dL_l/ds)", logits_after, wanted["in_dtype"],
+                            wanted["exact"])
+        elif transform_first:
+            assert_contract("logits (transformed in place)", logits_after, truth["in_dtype"]["z"],
+                            truth["exact"]["z"])
+
+    return Case(f"valid ({setup.kind}, {mode}, transform={transform_first})", run, Agrees(judge), args)

@@ -44,6 +44,9 @@ TARGETS: dict[str, str] = {
     "op.draft_head_backward": "head:draft_head_backward_op_case",
     "op.draft_head_rows_cpu": "head:draft_head_rows_cpu_case",
     "op.draft_head_rows_backward_cpu": "head:draft_head_rows_backward_cpu_case",
+    "op.draft_head_shard_stats_cpu": "head:draft_head_shard_stats_cpu_case",
+    "op.draft_head_shard_rows_cpu": "head:draft_head_shard_rows_cpu_case",
+    "op.cpu_cached_empty": "memory:cpu_cached_empty_case",
 }
 
 # Misbehaving on purpose: the harness's own test that crashes and hangs are reported.

@@ -1,0 +1,98 @@
+"""Triton kernel of the draft head's top-k (SPEC section 7). Kernels only.
+
+One program owns one row of values [R, V] (the logits rounded to logits_dtype) and picks
+the ids of its K largest, ties to the lower id, NaN above everything: a radix select, so
+that the cost is a fixed number of passes over the row whatever K is (csrc/head_row_passes.h's
+RowTopK is the CPU's answer to the same problem):
+
+  1. each value becomes an integer key in the value order (KEY_BITS 32 for 16- and 32-bit
+     values read as fp32, 64 for fp64; -0 as +0, every NaN the largest key);
+  2. one pass per 8-bit digit, most significant first: a 256-bin histogram of the digit
+     over the keys that match the digits chosen so far, then the digit of the K-th largest
+     key and how many keys above it are already in (KEY_BITS / 8 passes in all);
+  3. one pass in id order collects every key above the K-th and, of the keys equal to it,
+     the lowest ids until K are taken (a running count and a scan per tile).
+
+The K ids come out in id order with their keys; the launcher sorts those [R, K] by key
+(stable, so equal keys stay in id order). No atomics across programs: deterministic.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _key(x, KEY_BITS: tl.constexpr):
+    """Order-preserving int64 keys of values x (fp32 for KEY_BITS 32: [0, 2^32); fp64 for 64:
+    the signed int64 order), -0 as +0, NaN the largest."""
+    x = tl.where(x == 0, 0.0, x)  # -0 == 0: +0
+    if KEY_BITS == 32:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(bits < 0, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
+        return tl.where(x != x, 0xFFFFFFFF, key)
+    else:
+        bits = x.to(tl.float64).to(tl.int64, bitcast=True)
+        key = bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+        return tl.where(x != x, 0x7FFFFFFFFFFFFFFF, key)
+
+
+@triton.jit
+def _digits(key, KEY_BITS: tl.constexpr):
+    """The key as unsigned digits: itself for 32-bit keys, its sign bit flipped for 64-bit ones."""
+    if KEY_BITS == 32:
+        return key
+    else:
+        return key ^ (-0x7FFFFFFFFFFFFFFF - 1)
+
+
+@triton.jit
+def draft_head_topk_kernel(
+    values_ptr,  # [R, V] at stride_values_row, unit vocab stride: the rounded logits
+    ids_ptr,  # [R, K] int64 at stride_out_row: the picked ids, in id order
+    keys_ptr,  # [R, K] int64 at stride_out_row: their keys (_key)
+    vocab,
+    top_k,  # 1 <= top_k <= vocab
+    stride_values_row,
+    stride_out_row,
+    KEY_BITS: tl.constexpr,  # 32 or 64
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program: its top_k ids by value (the module docstring)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = values_ptr + row * stride_values_row
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.int64)  # the K-th key's digits chosen so far (as unsigned digits)
+    known = tl.zeros([], tl.int64)  # their bits
+    remaining = tl.zeros([], tl.int64) + top_k  # how many keys matching the prefix are still to take
+    for level in tl.static_range(KEY_BITS // 8):
+        shift = KEY_BITS - 8 * (level + 1)
+        counts = tl.zeros([256], tl.int32)
+        for start in range(0, vocab, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            in_row = offsets < vocab
+            digits = _digits(_key(tl.load(row_ptr + offsets, mask=in_row, other=0.0), KEY_BITS), KEY_BITS)
+            match = in_row & ((digits & known) == prefix)
+            counts += tl.histogram(((digits >> shift) & 255).to(tl.int32), 256, mask=match)
+        # The digit d of the K-th largest: the largest d with at least `remaining` keys at or above it.
+        at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+        digit = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
+        remaining -= tl.sum(tl.where(bins > digit, counts, 0), axis=0).to(tl.int64)
+        prefix = prefix | (digit.to(tl.int64) << shift)
+        known = known | (tl.full([], 255, tl.int64) << shift)
+    kth = _digits(prefix, KEY_BITS)  # back in the key order
+    # Collect, in id order: every key above the K-th, and `remaining` of those equal to it.
+    taken = tl.zeros([], tl.int64)
+    equal_seen = tl.zeros([], tl.int64)
+    out_row = row * stride_out_row
+    for start in range(0, vocab, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        in_row = offsets < vocab
+        key = _key(tl.load(row_ptr + offsets, mask=in_row, other=0.0), KEY_BITS)
+        equal = in_row & (key == kth)
+        equal_before = equal_seen + tl.cumsum(equal.to(tl.int64), axis=0) - equal.to(tl.int64)
+        picked = in_row & ((key > kth) | (equal & (equal_before < remaining)))
+        position = taken + tl.cumsum(picked.to(tl.int64), axis=0) - 1
+        tl.store(ids_ptr + out_row + position, offsets.to(tl.int64), mask=picked)
+        tl.store(keys_ptr + out_row + position, key, mask=picked)
+        taken += tl.sum(picked.to(tl.int64), axis=0)
+        equal_seen += tl.sum(equal.to(tl.int64), axis=0)

@@ -1,0 +1,132 @@
+"""The draft head's top-k on both devices' paths: the C++ row kernel's selection
+(csrc/head_row_passes.h's RowTopK, through dflash2::draft_head_rows_cpu) and the Triton
+radix select (dflash2_kernels/head/topk_kernels.py, under the interpreter without a GPU),
+against a stable sort of the logits rounded to logits_dtype: value descending, NaN first,
+-0 = +0, ties to the lower id, K from 1 to V. The logits are exact in every dtype here
+(no scale, no softcap), so the expected ids are exact too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2_kernels._extension import has_kernel
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+
+def _logits(rows: int, vocab: int, kind: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """random: spread values; ties: a handful of values (ties everywhere, the K-th included);
+    specials: ties plus NaN, +-inf and -0 / +0."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return (torch.randn(rows, vocab, generator=gen, dtype=F64) * 3).to(dtype)
+    values = (torch.randint(-4, 5, (rows, vocab), generator=gen).to(F64) * 0.75).to(dtype)
+    if kind == "specials":
+        flat = values.view(-1)
+        picks = torch.randperm(flat.numel(), generator=gen)[: max(4, flat.numel() // 10)]
+        specials = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0], dtype=F64).to(dtype)
+        flat[picks] = specials[torch.arange(len(picks)) % len(specials)]
+    return values
+
+
+def _expected(logits: torch.Tensor, top_k: int, logits_dtype: torch.dtype) -> torch.Tensor:
+    rounded = logits.to(logits_dtype).to(F64)
+    rounded = torch.where(rounded == 0, torch.zeros_like(rounded), rounded)  # -0 ties with +0
+    return torch.sort(rounded, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+# (rows, vocab, K, kind, plane dtype, logits_dtype): vocabularies across the CPU kernel's lanes
+# of 8 floats / 4 doubles, K from 1 to V, K large enough to compact its candidates many times
+# (2K held, then the best K kept) and K = V; every rounding of the logits.
+CPU_CASES = [
+    (3, 1, 1, "random", F32, F32),
+    (4, 7, 7, "ties", F32, F32),
+    (4, 9, 3, "specials", F32, BF16),
+    (5, 64, 64, "specials", F64, F64),
+    (6, 1000, 1, "specials", F32, F16),
+    (6, 1000, 40, "ties", F32, F32),
+    (6, 1000, 300, "random", F32, BF16),
+    (6, 1000, 999, "specials", F64, F32),
+    (3, 5000, 5000, "ties", F32, F32),
+    (3, 5000, 2048, "random", F32, F16),
+    (2, 33_000, 1024, "ties", F32, BF16),
+]
+
+
+def _case_id(case) -> str:
+    rows, vocab, k, kind, dtype, logits_dtype = case
+    return f"{rows}x{vocab}-K{k}-{kind}-{str(dtype)[6:]}-as-{str(logits_dtype)[6:]}"
+
+
+@pytest.mark.skipif(not has_kernel("draft_head_rows_cpu", "cpu"), reason="needs the C++ extension")
+@pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
+def test_cpu_row_kernel_top_k(case):
+    rows, vocab, top_k, kind, dtype, logits_dtype = case
+    logits = _logits(rows, vocab, kind, dtype)
+    out = torch.ops.dflash2.draft_head_rows_cpu(logits.clone(), None, None, 0, top_k, 1.0, 0.0, logits_dtype, None)
+    expected = _expected(logits, top_k, logits_dtype)
+    assert torch.equal(out[3], expected)
+    assert torch.equal(out[2][:, 0], expected[:, 0])  # the draft argmax is the first
+    values = out[4]
+    assert torch.equal(torch.isnan(values), torch.isnan(logits.gather(1, expected)))
+    assert torch.equal(values.nan_to_num(), logits.gather(1, expected).nan_to_num())
+
+
+def _interpreted() -> bool:
+    from dflash2_kernels._backend import triton_importable
+
+    if not triton_importable():
+        return False
+    from dflash2_kernels.head.topk_launch import KERNELS_INTERPRETED
+
+    return KERNELS_INTERPRETED or torch.cuda.is_available()
+
+
+# The radix select on small rows (the interpreter runs a program in about a millisecond an
+# operation): every key width (16-bit values read as fp32, fp32, fp64), tiles of 2048
+# (1024 for fp64) crossed, ties at the K-th, specials, K = 1 and K = V.
+TRITON_CASES = [
+    (2, 1, 1, "random", F32),
+    (3, 9, 9, "specials", F32),
+    (3, 100, 17, "ties", BF16),
+    (2, 100, 5, "specials", F16),
+    (2, 2100, 700, "ties", F32),
+    (2, 1100, 1100, "specials", F64),
+    (2, 1100, 60, "ties", F64),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: f"{c[0]}x{c[1]}-K{c[2]}-{c[3]}-{str(c[4])[6:]}")
+def test_triton_radix_select(case):
+    if not _interpreted():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
+    from dflash2_kernels.head.topk_launch import row_topk_triton
+
+    rows, vocab, top_k, kind, dtype = case
+    values = _logits(rows, vocab, kind, dtype, seed=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = row_topk_triton(values.to(device), top_k).cpu()
+    assert torch.equal(got, _expected(values, top_k, dtype))
+
+
+def test_triton_radix_select_arguments():
+    if not _interpreted():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
+    from dflash2_kernels.head.topk_launch import row_topk_triton
+
+    values = torch.zeros(2, 8)
+    with pytest.raises(TypeError, match="values must be a torch.Tensor"):
+        row_topk_triton(values.tolist(), 2)
+    with pytest.raises(TypeError, match="values must be float16"):
+        row_topk_triton(values.long(), 2)
+    with pytest.raises(ValueError, match="values must be \\[rows, vocab\\]"):
+        row_topk_triton(values[0], 2)
+    with pytest.raises(ValueError, match="top_k must be an int in \\[0, 8\\]"):
+        row_topk_triton(values, 9)
+    with pytest.raises(ValueError, match="top_k"):
+        row_topk_triton(values, True)
+    with pytest.raises(ValueError, match="unit last stride"):
+        row_topk_triton(torch.zeros(2, 16)[:, ::2], 2)
+    assert row_topk_triton(values, 0).shape == (2, 0)
