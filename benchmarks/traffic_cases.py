@@ -309,7 +309,7 @@ def head_rows_forward_case(vocab: int) -> Callable:
         return CaseRun(
             ours=ours, reference=eager,
             minimum=lambda _: minimum.head_rows_forward(s0, t0, None, state["losses"], state["stats"], planes),
-            kernels=("draft_head_rows_fwd_kernel",), reset=lambda: (s.copy_(s0), t.copy_(t0)))
+            kernels=("draft_head_rows_kernel[forward]",), reset=lambda: (s.copy_(s0), t.copy_(t0)))
     return make
 
 
@@ -338,7 +338,7 @@ def head_rows_backward_case(vocab: int) -> Callable:
             ours=lambda: head_rows_backward_triton(s, t, None, HEAD_LOSS_MASK, 1.0, 0.0, grad_losses),
             reference=eager_backward,
             minimum=lambda _: minimum.head_rows_backward(s0, t0, None, grad_losses),
-            kernels=("draft_head_rows_bwd_kernel",), prepare_reference=prepare,
+            kernels=("draft_head_rows_kernel[backward]",), prepare_reference=prepare,
             reset=lambda: (s.copy_(s0), t.copy_(t0)))
     return make
 

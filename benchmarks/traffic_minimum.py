@@ -84,12 +84,12 @@ BUDGETS = {
         why="dx gathers dy and delta of row m + tap and ddelta reads x of row n - tap: dy and x are requested "
             "twice (K = 2; 5.25 / 3.25 of the minimum), the second from the L1/L2; base is reloaded per row step; "
             "dbase is written as one fp64 partial per row chunk"),
-    "draft_head_rows_fwd_kernel": Budget(
+    "draft_head_rows_kernel[forward]": Budget(
         requested=2.0, dram="requested",
         why="three passes over each row of the chunk (transform + logsumexp, the losses' sums, the gradient "
             "planes: (8 + L) / (4 + L) of the minimum with L planes): a row is 1 MB (V = 248,320 fp32) and "
             "hundreds are in flight, so the re-reads come from HBM"),
-    "draft_head_rows_bwd_kernel": Budget(
+    "draft_head_rows_kernel[backward]": Budget(
         requested=2.3, dram="requested",
         why="recomputes the forward's passes (transform + logsumexp; the losses' sums for rkl, jsd, tv) before "
             "writing dL/ds: 7 / 4 of the minimum (9 / 4 with those losses), re-reads of 1 MB rows, from HBM"),
@@ -341,10 +341,10 @@ def head_rows_forward(s, t, labels, losses, stats, planes) -> Minimum:
     """One chunk's row pass: the raw logits s (and t) read once and their transforms z (and
     t) written over them once; losses, statistics and the gradient planes written once."""
     total = 2 * nbytes(s) + 2 * nbytes(t) + nbytes(labels) + nbytes(losses) + nbytes(stats) + nbytes(planes)
-    return Minimum(total, {"draft_head_rows_fwd_kernel": total})
+    return Minimum(total, {"draft_head_rows_kernel[forward]": total})
 
 
 def head_rows_backward(s, t, labels, grad_losses) -> Minimum:
     """The backward row pass: s (and t) read once, dL/ds written over s (and t over t) once."""
     total = 2 * nbytes(s) + 2 * nbytes(t) + nbytes(labels) + nbytes(grad_losses)
-    return Minimum(total, {"draft_head_rows_bwd_kernel": total})
+    return Minimum(total, {"draft_head_rows_kernel[backward]": total})

@@ -59,6 +59,9 @@ FALLTHROUGH = {
     "rejection_sample": "no autocast op upstream; int64 results",
     "draft_head_rows_cpu": "internal C++ row kernel, called with autocast already excluded",
     "draft_head_rows_backward_cpu": "internal C++ row kernel, called with autocast already excluded",
+    "draft_head_shard_stats_cpu": "internal C++ vocab-parallel row kernel, called with autocast already excluded",
+    "draft_head_shard_rows_cpu": "internal C++ vocab-parallel row kernel, called with autocast already excluded",
+    "cpu_cached_empty": "an allocation: no floating-point input to cast, the dtype is an argument",
 }
 
 _LIB = None  # the torch.library.Library holding the kernels (kept alive with the module)

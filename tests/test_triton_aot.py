@@ -94,13 +94,20 @@ def usage():
 # fp32 rows over 16 warps spill at V 248,321 instead), so the tiles wait for a GPU's
 # measurement. With Triton 3.8 each must still be there (a ptxas that stops spilling
 # fails the test, and the entry goes); every other limit holds for them too.
+def _head(dtype, softcap):
+    """The every-loss head row configuration of ``dtype`` (HEAD_ROW_CONFIGS), as its key."""
+    return json.dumps({"head_rows": dict(dtype=dtype, loss_mask=0b11111, target=True, labels=True, softcap=softcap,
+                                         grads=True)})
+
+
 KNOWN_SPILLS = {
     **{(json.dumps([4096, 8, 3, BF16]), "backward", arch): "three taps: 128 registers to fit two blocks, 4 bytes"
        for arch in (86, 89)},
-    **{(json.dumps(config), "forward", 100): "every loss: 80 (softcap: 64) registers to fit more blocks, 8-16 bytes"
-       for config in HEAD_ROW_CONFIGS
-       if config["head_rows"]["dtype"] == "float32" and config["head_rows"]["loss_mask"] == 0b11111
-       and config["head_rows"]["labels"] and "vocab" not in config["head_rows"]},
+    (_head("float32", False), "forward", 80): "every loss: 64 registers, 16 bytes of stack",
+    **{(_head("float32", True), "forward", arch): "every loss with a softcap, 16 warps: 64 registers, 8 bytes"
+       for arch in (100, 120)},
+    (_head("float64", True), "shard_stats", 120): "fp64 with a softcap, 16 warps: 40 registers, 8 bytes",
+    (json.dumps({"head_topk": dict(dtype="float32")}), "topk", 120): "32-bit keys: 128 registers, 16 bytes",
 }
 MEASURED_TRITON = triton.__version__.startswith("3.8.")
 
