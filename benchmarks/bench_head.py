@@ -466,12 +466,27 @@ TOPK_KS = (16, 64, 256, 1024)
 TOPK_SHAPES = ((1024, 32_000, 256, torch.float32, KL, ()), (1024, 32_000, 16, torch.float16, SERVING, (2048, 32_000)))
 
 
-def dense_topk(top_k: int):
-    """The dense logits and torch.topk of them: the GEMM included, nothing else."""
-    def fn(hidden, weight, _):
-        values, ids = torch.topk(F.linear(hidden, weight), top_k, dim=-1)
-        return [], values, ids
-    return fn
+def dense_topk(form: str, top_k: int):
+    """(the dense head of ``form`` with torch.topk at ``top_k``, what it is): the serving
+    form's dense logits and torch.topk of them (the GEMM included, nothing else); kl_div's
+    both sides' logits, speculators' eager kl_div_loss (the package's dense reference where
+    speculators cannot be imported) and torch.topk."""
+    if form == SERVING:
+        def serving(hidden, weight, _):
+            values, ids = torch.topk(F.linear(hidden, weight), top_k, dim=-1)
+            return [], values, ids
+        return serving, "F.linear logits [N, V]; torch.topk"
+    if _speculators_losses() is None:
+        return head_call(reference.draft_head, form, top_k), "dflash2_kernels.reference.draft_head"
+
+    def kl(hidden, weight, target_hidden):
+        from speculators.losses.eager import kl_div_loss
+
+        logits = F.linear(hidden, weight)
+        loss = kl_div_loss(logits.unsqueeze(0), F.linear(target_hidden, weight).unsqueeze(0)).squeeze(0)
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        return [loss], values, ids
+    return kl, "F.linear logits [N, V] both sides; speculators.losses.eager kl_div_loss; torch.topk"
 
 
 def topk_rows(device: torch.device, copy_gbps: float, quick: bool) -> list[Row]:
@@ -483,16 +498,18 @@ def topk_rows(device: torch.device, copy_gbps: float, quick: bool) -> list[Row]:
     for n, vocab, width, dtype, form, extra in shapes:
         shape = Shape(n, vocab, width, dtype)
         inputs = Inputs(shape, device)
-        labels, calls = {}, {}
+        labels, calls, sources = {}, {}, {}
         for top_k in [k for k in TOPK_KS + extra if k <= vocab]:
             label = f"{form} fwd K{top_k} N{n} V{vocab} H{width} {str(dtype).removeprefix('torch.')}"
-            for impl, fn in (("ours", head_call(dk.draft_head, form, top_k)), ("torch.topk", dense_topk(top_k))):
+            dense, described = dense_topk(form, top_k)
+            sources[label] = described
+            for impl, fn in (("ours", head_call(dk.draft_head, form, top_k)), ("eager", dense)):
                 calls[(label, impl)] = make_call(fn, inputs, form, False)
                 labels[(label, impl)] = top_k
         timings = time_side_by_side(calls, device, warmup=1, reps=3 if quick else 5, budget_s=5 if quick else 600)
         for (label, impl), timing in timings.items():
             source = ("dflash2_kernels.draft_head, losses " + ("+".join(FORM_LOSSES[form]) or "none (serving)")
-                      if impl == "ours" else "F.linear logits [N, V]; torch.topk")
+                      if impl == "ours" else sources[label])
             rows.append(Row("head_topk", label, impl, timing, minimal_bytes(shape, form, False), copy_gbps,
                             {"source": source, "top_k": labels[(label, impl)], "form": form}))
             print(f"#   {label:48} {impl:20} {timing.median_ms:10.2f} ms", flush=True)
