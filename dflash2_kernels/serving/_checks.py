@@ -38,8 +38,16 @@ def require_generator(generator, device: torch.device) -> None:
         return
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
-    if generator.device.type != device.type or (device.type == "cuda" and generator.device.index != device.index):
+    if generator.device.type != device.type or _device_index(generator.device) != _device_index(device):
         raise ValueError(f"generator is on {generator.device} but the tensors are on {device}.")
+
+
+def _device_index(device: torch.device) -> int | None:
+    """``device``'s index; a CUDA device named without one (``torch.Generator("cuda")``)
+    is the current device, as torch resolves it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.cuda.current_device()
+    return device.index if device.type == "cuda" else None
 
 
 def require_ids_in_range(name: str, ids: torch.Tensor, vocab: int) -> None:
