@@ -135,6 +135,13 @@ def _extensions():
     # No fused multiply-adds: the CPU twin of the serving kernels rounds each product and sum
     # as the CUDA kernels do (__fmul_rn, __fadd_rn), so both compute bitwise equal edges.
     cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", f'-DDFLASH2_BUILD_TORCH="{torch.__version__}"']
+    # The process's libstdc++, never a static copy (LDFLAGS=-static-libstdc++ or a toolchain
+    # that defaults to it): a second copy of the iostreams and locale in _C.so has no
+    # initialised locale, so every check message formatting an integer comes out cut short
+    # or crashes the process (seen on a GPU machine, docs/BENCHMARKS.md). An explicit
+    # -lstdc++ here binds every std:: symbol to the shared library before the compiler
+    # driver's own (static) -lstdc++ at the end of the line is read.
+    link_flags = ["-fopenmp", "-Wl,-Bdynamic", "-lstdc++"]
     cpu_sources = sorted(glob.glob("csrc/*.cpp"))
     cuda_glue = [s for s in cpu_sources if s.endswith("_cuda.cpp")]
     cpu_sources = [s for s in cpu_sources if s not in cuda_glue]
@@ -146,7 +153,7 @@ def _extensions():
             define_macros=[("DFLASH2_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags + _cuda_arch_flags(torch, os.environ["CUDA_HOME"]),
                                 "nvcc": ["-O3", "-lineinfo"]},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_flags,
         )
     else:
         extension = CppExtension(
@@ -154,7 +161,7 @@ def _extensions():
             cpu_sources,
             include_dirs=[os.path.abspath("csrc")],
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_flags,
         )
     return [extension], {"build_ext": BuildExtension}
 
