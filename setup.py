@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 from setuptools import Command, setup
 from setuptools.command.build import build
@@ -141,7 +142,7 @@ def _extensions():
     # or crashes the process (seen on a GPU machine, docs/BENCHMARKS.md). An explicit
     # -lstdc++ here binds every std:: symbol to the shared library before the compiler
     # driver's own (static) -lstdc++ at the end of the line is read.
-    link_flags = ["-fopenmp", "-Wl,-Bdynamic", "-lstdc++"]
+    link_flags = ["-fopenmp"] + (["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else [])
     cpu_sources = sorted(glob.glob("csrc/*.cpp"))
     cuda_glue = [s for s in cpu_sources if s.endswith("_cuda.cpp")]
     cpu_sources = [s for s in cpu_sources if s not in cuda_glue]
