@@ -72,7 +72,11 @@ def draft_head_topk_kernel(
             in_row = offsets < vocab
             digits = _digits(_key(tl.load(row_ptr + offsets, mask=in_row, other=0.0), KEY_BITS), KEY_BITS)
             match = in_row & ((digits & known) == prefix)
-            counts += tl.histogram(((digits >> shift) & 255).to(tl.int32), 256, mask=match)
+            # Keys off the prefix (and past the row) counted in bin 0, then taken out of it:
+            # Triton 3.1 (torch 2.5's) has no mask argument to tl.histogram.
+            digit_of = tl.where(match, (digits >> shift) & 255, 0).to(tl.int32)
+            unmatched = BLOCK_V - tl.sum(match.to(tl.int32), axis=0)
+            counts += tl.histogram(digit_of, 256) - tl.where(bins == 0, unmatched, 0)
         # The digit d of the K-th largest: the largest d with at least `remaining` keys at or above it.
         at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
         digit = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
