@@ -107,7 +107,8 @@ KNOWN_SPILLS = {
     **{(_head("float32", True), "forward", arch): "every loss with a softcap, 16 warps: 64 registers, 8 bytes"
        for arch in (100, 120)},
     (_head("float64", True), "shard_stats", 120): "fp64 with a softcap, 16 warps: 40 registers, 8 bytes",
-    (json.dumps({"head_topk": dict(dtype="float32")}), "topk", 120): "32-bit keys: 128 registers, 16 bytes",
+    **{(json.dumps({"head_topk": dict(dtype=dtype)}), "topk", 120): "16-bit values read as 32-bit keys: 128 registers, "
+       "8 bytes" for dtype in ("bfloat16", "float16")},
 }
 MEASURED_TRITON = triton.__version__.startswith("3.8.")
 
