@@ -343,6 +343,21 @@ def head_rows_backward_case(vocab: int) -> Callable:
     return make
 
 
+def head_topk_case(vocab: int, top_k: int) -> Callable:
+    """The head's Triton top-k over a chunk's logits (a radix select: head/topk_kernels.py)."""
+
+    def make(rows: int, ops=None, device="cpu") -> CaseRun:
+        from dflash2_kernels.head.topk_launch import row_topk_triton
+
+        values, _ = _head_rows_inputs(rows, vocab, 12, device)
+        return CaseRun(
+            ours=lambda: row_topk_triton(values, top_k),
+            reference=lambda: torch.topk(values, top_k, dim=-1),
+            minimum=lambda ids: minimum.head_topk(values, ids),
+            kernels=("draft_head_topk_kernel",))
+    return make
+
+
 # --- the published shapes (SPEC section 5: Qwen3.8-27B-DFlash2, its largest V and H) -----
 
 HIDDEN = 5120
@@ -381,6 +396,8 @@ CASES = (
          TRAIN_ROWS, (2, 4), head_rows_forward_case(VOCAB)),
     Case("head rows kl_div backward fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, fp32",
          TRAIN_ROWS, (2, 4), head_rows_backward_case(VOCAB)),
+    Case("head top-k fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
+         TRAIN_ROWS, (2, 4), head_topk_case(VOCAB, TOP_K)),
 )
 
 

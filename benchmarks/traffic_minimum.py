@@ -89,6 +89,12 @@ BUDGETS = {
         why="three passes over each row of the chunk (transform + logsumexp, the losses' sums, the gradient "
             "planes: (8 + L) / (4 + L) of the minimum with L planes): a row is 1 MB (V = 248,320 fp32) and "
             "hundreds are in flight, so the re-reads come from HBM"),
+    "draft_head_topk_kernel": Budget(
+        requested=5.2, sectors=1.02, dram="requested",
+        why="a radix select: one pass over the row per 8-bit digit of the 32-bit keys, then one to collect "
+            "(5 / 1 of the minimum, whatever K is); a row is 1 MB (V = 248,320 fp32) and hundreds are in "
+            "flight, so the re-reads come from HBM; the K keys are written beside the K ids for the final sort, "
+            "each store request at the picked lanes' positions only (a few sectors more than contiguous)"),
     "draft_head_rows_kernel[backward]": Budget(
         requested=2.3, dram="requested",
         why="recomputes the forward's passes (transform + logsumexp; the losses' sums for rkl, jsd, tv) before "
@@ -348,3 +354,9 @@ def head_rows_backward(s, t, labels, grad_losses) -> Minimum:
     """The backward row pass: s (and t) read once, dL/ds written over s (and t over t) once."""
     total = 2 * nbytes(s) + 2 * nbytes(t) + nbytes(labels) + nbytes(grad_losses)
     return Minimum(total, {"draft_head_rows_kernel[backward]": total})
+
+
+def head_topk(values, ids) -> Minimum:
+    """The head's top-k of values [R, V]: each value read once, the K ids of each row written once."""
+    total = nbytes(values) + nbytes(ids)
+    return Minimum(total, {"draft_head_topk_kernel": total})

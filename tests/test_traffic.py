@@ -87,6 +87,7 @@ SMALL_CASES = [
     ("conv backward fp32", cases.conv_backward_case(torch.float32, 512), 24),
     ("head rows forward", cases.head_rows_forward_case(SMALL_VOCAB), 2),
     ("head rows backward", cases.head_rows_backward_case(SMALL_VOCAB), 2),
+    ("head top-k", cases.head_topk_case(SMALL_VOCAB, 16), 2),
 ]
 
 
