@@ -7,6 +7,7 @@ kernels' twin of this file: tests/emulated/test_traffic_kernels.py."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -105,6 +106,32 @@ def test_kernels_within_their_budgets(make, rows):
     for launch, key in zip(counter.launches, run.kernels):
         problems += minimum.check(launch, need.kernels[key], minimum.budget_for(key), key)
     assert problems == []
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _package_kernels() -> set[str]:
+    """Every kernel a launch can name: the CUDA __global__ functions under csrc/kernels and
+    the @triton.jit functions of the package whose names end in _kernel (the helpers they
+    call do not)."""
+    cuda = {name for path in (ROOT / "csrc" / "kernels").glob("*.cu")
+            for name in re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+_kernel)\s*\(",
+                                   path.read_text())}
+    triton_jit = {name for path in (ROOT / "dflash2_kernels").rglob("*.py")
+                  for name in re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+_kernel)\(", path.read_text())}
+    return cuda | triton_jit
+
+
+def test_every_kernel_of_the_package_has_a_traffic_case():
+    """A kernel added without a case here would move bytes nobody counts (issue 33)."""
+    listed = re.findall(r"kernels=\(([^)]*)\)", (ROOT / "benchmarks" / "traffic_cases.py").read_text())
+    in_cases = {key.split("[")[0] for keys in listed for key in re.findall(r'"([^"]+)"', keys)}
+    budgeted = {key.split("[")[0] for key in minimum.BUDGETS}
+    kernels = _package_kernels()
+    assert len(kernels) >= 13, sorted(kernels)  # the scan still finds them
+    assert not kernels - in_cases, f"kernels no case in benchmarks/traffic_cases.py runs: {sorted(kernels - in_cases)}"
+    assert not kernels - budgeted, f"kernels with no budget in traffic_minimum.py: {sorted(kernels - budgeted)}"
 
 
 def test_aten_counter_reads_inputs_and_writes_outputs():
