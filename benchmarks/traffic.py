@@ -217,10 +217,13 @@ def measured_cpu_speedup(case) -> dict:
         records = [json.loads(line) for line in BENCH_RECORDS.read_text().splitlines() if line.strip()]
     except OSError:
         return dict(cpu_speedup=None, cpu_case=None)
-    eager_impls = ("reference", "torch loop", "torch.topk")
+    eager_impls = ("reference", "torch loop", "torch.topk", "eager")
     by_case: dict = {}
     for r in records:
-        if r.get("bench") == case.op and "timing" in r:
+        # CPU runs only (benchmarks/common.py names a CPU "<machine> (<n> threads)"): a GPU's
+        # records sit in the same file.
+        on_cpu = re.fullmatch(r".+ \(\d+ threads\)", r.get("device", "")) is not None
+        if r.get("bench") == case.op and "timing" in r and on_cpu:
             by_case.setdefault(r["case"], {})[r["impl"]] = r["timing"]["median_ms"]
     names = [n for n, impls in by_case.items() if "ours" in impls and any(k in impls for k in eager_impls)]
     if case.op in ("conv", "selector", "head"):

@@ -396,7 +396,7 @@ CASES = (
          TRAIN_ROWS, (2, 4), head_rows_forward_case(VOCAB)),
     Case("head rows kl_div backward fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, fp32",
          TRAIN_ROWS, (2, 4), head_rows_backward_case(VOCAB)),
-    Case("head top-k fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
+    Case("head top-k fp32", "head_topk", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
          TRAIN_ROWS, (2, 4), head_topk_case(VOCAB, TOP_K)),
 )
 
