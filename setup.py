@@ -139,7 +139,7 @@ def _extensions():
     # The process's libstdc++, never a static copy (LDFLAGS=-static-libstdc++ or a toolchain
     # that defaults to it): a second copy of the iostreams and locale in _C.so has no
     # initialised locale, so every check message formatting an integer comes out cut short
-    # or crashes the process (seen on a GPU machine, docs/BENCHMARKS.md). An explicit
+    # or crashes the process (seen on a GPU machine; tests/test_extension_linkage.py). An explicit
     # -lstdc++ here binds every std:: symbol to the shared library before the compiler
     # driver's own (static) -lstdc++ at the end of the line is read.
     link_flags = ["-fopenmp"] + (["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else [])
