@@ -354,6 +354,7 @@ def gpu_check(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import traffic_cases
+    import traffic_minimum
     from common import environment, time_side_by_side
 
     device = torch.device(args.device)
@@ -393,10 +394,10 @@ def gpu_check(args) -> None:
         timing = time_side_by_side({"ours": run.ours}, device, warmup=1, reps=10, budget_s=2.0, warmup_s=0.05,
                                    prepare={"ours": reset})["ours"]
         for key in dict.fromkeys(run.kernels):
-            name = key.split("[", 1)[0]
+            name = traffic_minimum.kernel_name(key)
             # Launches of one kernel (the selector's segmented sum and carry pass, once per
             # codebook) share their measured total.
-            launches = sum(k.split("[", 1)[0] == name for k in run.kernels)
+            launches = sum(traffic_minimum.kernel_name(k) == name for k in run.kernels)
             measured = sum(us for event, us in device_us.items() if name in event) / launches
             predicted = model.get((case.name, key), {}).get("h200_model_us")
             records.append(dict(kind="kernel", case=case.name, kernel=key, measured_us=measured,

@@ -403,7 +403,7 @@ CASES = (
 
 def kernel_key(launch, expected: str) -> str:
     """``expected`` if the launch is that kernel (its name without template arguments)."""
-    name = expected.split("[", 1)[0]
+    name = minimum.kernel_name(expected)
     if launch.name != name:
         raise AssertionError(f"expected a launch of {name}, got {launch.kernel}")
     return expected

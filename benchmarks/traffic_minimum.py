@@ -74,6 +74,12 @@ class Budget:
 _CARRY = Budget(unique=2.0, requested=4.0,
                 why="latency-bound: reads the sorted ids at its chunk's edges (a few words a chunk)")
 
+def kernel_name(key: str) -> str:
+    """The kernel a key names: ``name[variant]`` (one kernel launched in several roles or
+    modes) -> ``name``."""
+    return key.split("[", 1)[0]
+
+
 BUDGETS = {
     "grouped_dynamic_conv_fwd_kernel": Budget(
         requested=1.6,

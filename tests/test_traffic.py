@@ -101,7 +101,7 @@ def test_kernels_within_their_budgets(make, rows):
     with TritonTraffic() as counter:
         result = run.ours()
     need = run.minimum(result)
-    assert [launch.name for launch in counter.launches] == [key.split("[")[0] for key in run.kernels]
+    assert [launch.name for launch in counter.launches] == [minimum.kernel_name(key) for key in run.kernels]
     problems = []
     for launch, key in zip(counter.launches, run.kernels):
         problems += minimum.check(launch, need.kernels[key], minimum.budget_for(key), key)
@@ -126,8 +126,8 @@ def _package_kernels() -> set[str]:
 def test_every_kernel_of_the_package_has_a_traffic_case():
     """A kernel added without a case here would move bytes nobody counts (issue 33)."""
     listed = re.findall(r"kernels=\(([^)]*)\)", (ROOT / "benchmarks" / "traffic_cases.py").read_text())
-    in_cases = {key.split("[")[0] for keys in listed for key in re.findall(r'"([^"]+)"', keys)}
-    budgeted = {key.split("[")[0] for key in minimum.BUDGETS}
+    in_cases = {minimum.kernel_name(key) for keys in listed for key in re.findall(r'"([^"]+)"', keys)}
+    budgeted = {minimum.kernel_name(key) for key in minimum.BUDGETS}
     kernels = _package_kernels()
     assert len(kernels) >= 13, sorted(kernels)  # the scan still finds them
     assert not kernels - in_cases, f"kernels no case in benchmarks/traffic_cases.py runs: {sorted(kernels - in_cases)}"

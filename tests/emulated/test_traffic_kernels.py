@@ -87,7 +87,7 @@ def test_kernels_within_their_budgets(emulated, make, rows):
     run = make(rows, emulated, "cpu")
     launches, result = counted(emulated, run.ours)
     need = run.minimum(result)
-    assert [launch.name for launch in launches] == [key.split("[")[0] for key in run.kernels]
+    assert [launch.name for launch in launches] == [minimum.kernel_name(key) for key in run.kernels]
     problems = []
     for launch, key in zip(launches, run.kernels):
         problems += minimum.check(launch, need.kernels[key], minimum.budget_for(key), key)
