@@ -84,7 +84,9 @@ DFLASH2_INLINE double key_of_order(uint64_t order) {
 // sorted insertion per candidate. Keys that a float holds (every logits_dtype but float64
 // over float64 logits) and ids below 2^32 pack into one integer, (key order << 32) |
 // ~id, so that the compares are integer compares, and a large set never compacted (still
-// in id order) is sorted by a stable radix sort of the key half. Scratch of one thread.
+// in id order) is sorted by a stable radix sort of the key half. A float row of at least
+// 2k blocks starts from a bar its blocks' maxima give (bar_from_blocks): about k appends
+// then, and rarely a compaction. Scratch of one thread.
 struct RowTopK {
   struct Candidate {
     uint64_t order;  // key_order of the rounded logit
@@ -233,6 +235,60 @@ struct RowTopK {
   int64_t id(int64_t j) const {
     return packed_keys ? static_cast<int64_t>(0xFFFFFFFFu - (packed[j] & 0xFFFFFFFFu)) : kept[j].id;
   }
+
+  // A bar before the first offer, from the maxima of disjoint blocks of the row: the k-th
+  // largest of them is k distinct logits' least, so no more than k - 1 logits rank above
+  // it and the row's k-th best key is at least its rounded key b. Only a block whose
+  // maximum rounds to b or more can hold one of the k best, and only a logit that does.
+  // block_orders: the blocks' float_order of their maxima (NaN on top), at least k of them.
+  std::vector<uint32_t> block_orders, orders_scratch;
+  uint32_t block_floor = 0;  // a block whose maximum's order is below it holds none of the k best
+
+  // After reset() with float keys: the bar from block_orders; a block qualifies when its
+  // order is at least block_floor (every block does without a bar: all maxima -inf).
+  void bar_from_blocks(at::ScalarType logits_dtype) {
+    orders_scratch.assign(block_orders.begin(), block_orders.end());
+    std::nth_element(orders_scratch.begin(), orders_scratch.begin() + (k - 1), orders_scratch.end(),
+                     std::greater<uint32_t>());
+    const uint32_t kth = orders_scratch[k - 1];
+    block_floor = 0;
+    if (kth == 0xFFFFFFFFu) {  // k blocks hold a NaN: the k best are NaNs
+      set_floor(0xFFFFFFFFu, std::numeric_limits<double>::quiet_NaN());
+      block_floor = kth;
+      return;
+    }
+    const uint32_t key_floor = float_order(rounded_logit(float_of_order(kth), logits_dtype));
+    // The least logit that rounds to the floor's key or above: rounding is monotone, so
+    // a binary search over the orders from -inf's (below it lie the negative NaNs' bits).
+    uint32_t low = kNegInfOrder, high = kth;
+    if (key_floor <= kNegInfOrder) return;  // b = -inf: every logit may be among the k best
+    while (low < high) {
+      const uint32_t mid = low + (high - low) / 2;
+      if (float_order(rounded_logit(float_of_order(mid), logits_dtype)) >= key_floor) {
+        high = mid;
+      } else {
+        low = mid + 1;
+      }
+    }
+    block_floor = low;
+    // The vector prefilter tests z > bar: the float just below the least logit that may get in.
+    set_floor(key_floor, float_of_order(low - 1));
+  }
+
+ private:
+  static constexpr uint32_t kNegInfOrder = 0x007FFFFFu;  // float_order(-inf)
+  static double float_of_order(uint32_t order) {
+    const uint32_t bits = (order >> 31) ? order & 0x7FFFFFFFu : ~order;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+  // Every key of order >= key_order may get in, whatever its id (key_order > 0).
+  void set_floor(uint32_t key_order, double prefilter) {
+    has_bar = true;
+    bar_packed = (uint64_t(key_order) << 32) - 1;
+    bar = prefilter;
+  }
 };
 
 struct RowArgmax {
@@ -273,17 +329,6 @@ struct RowResult {
   int64_t draft_argmax = 0, target_argmax = 0, label = -1;
   double label_value = 0;
 };
-
-// The transform of raw logits, in E: scale, then the softcap's tanh.
-template <typename E>
-DFLASH2_INLINE Vec<E> transformed(Vec<E> s, const HeadConfig& config) {
-  Vec<E> z = s * splat<E>(static_cast<E>(config.scale));
-  if (config.softcap > 0) {
-    const E cap = static_cast<E>(config.softcap);
-    z = splat<E>(cap) * tanh_lanes(z / splat<E>(cap));
-  }
-  return z;
-}
 
 template <typename E>
 DFLASH2_INLINE Vec<E> lane_ids(int64_t first) {
@@ -464,70 +509,172 @@ struct Normaliser {
   }
 };
 
-// n (<= the width) lanes at p: s -> z, stored back unless the transform is the identity;
-// the running maximum and NaN flag taken; z returned with the lanes past n at -inf.
+// The transform s -> z with its constants in registers: pass A's loop calls the top-k's
+// out-of-line code now and then, after which the compiler would reload the constants
+// from config on every vector.
 template <typename E>
-DFLASH2_INLINE Vec<E> transform_lanes(E* p, int64_t n, Mask<E> valid, const HeadConfig& config, bool identity,
-                                      Vec<E>& maximum, Mask<E>& nan) {
-  Vec<E> z = transformed<E>(load_lanes(p, n, E(0)), config);
-  if (!identity) store_lanes(p, z, n);
-  z = valid ? z : splat<E>(-std::numeric_limits<E>::infinity());
+struct LaneTransform {
+  Vec<E> scale, cap;
+  bool softcap, identity;
+
+  explicit LaneTransform(const HeadConfig& config)
+      : scale(splat<E>(static_cast<E>(config.scale))),
+        cap(splat<E>(static_cast<E>(config.softcap > 0 ? config.softcap : 1.0))),
+        softcap(config.softcap > 0),
+        identity(config.scale == 1.0 && config.softcap <= 0) {}
+
+  DFLASH2_INLINE Vec<E> operator()(const Vec<E>& s) const {
+    if (identity) return s;
+    const Vec<E> z = s * scale;
+    return softcap ? cap * tanh_lanes(z / cap) : z;
+  }
+};
+
+// n (<= the width) lanes at p: s -> z, stored back unless the transform is the identity
+// (z = s: a row's worth of write-back saved); the running maximum and NaN flag taken; z
+// returned with the lanes past n at -inf.
+template <typename E>
+DFLASH2_INLINE Vec<E> transform_lanes(E* p, int64_t n, const LaneTransform<E>& transform, Vec<E>& maximum,
+                                      Mask<E>& nan) {
+  Vec<E> z = transform(load_lanes(p, n, E(0)));
+  if (!transform.identity) store_lanes(p, z, n);
+  if (n < HeadLanes<E>::kWidth) {
+    z = lane_ids<E>(0) < splat<E>(static_cast<E>(n)) ? z : splat<E>(-std::numeric_limits<E>::infinity());
+  }
   maximum = z > maximum ? z : maximum;
   nan |= z != z;
   return z;
 }
 
+// Offers the lanes of `count` vectors of z (ids first...) whose bit is set in `lanes` to the
+// top-k (topk) or else the argmax (best). Out of line: a rare branch of pass A, scalar code
+// that gains nothing from a vector target.
+template <typename E>
+__attribute__((noinline)) void offer_lanes(const Vec<E>* z, int count, uint64_t lanes, int64_t first,
+                                           at::ScalarType logits_dtype, RowTopK* topk, RowArgmax* best) {
+  E values[64];  // rank_vectors: at most 64 lanes
+  std::memcpy(values, z, sizeof(Vec<E>) * count);
+  for (; lanes != 0; lanes &= lanes - 1) {
+    const int lane = __builtin_ctzll(lanes);
+    const double key = rounded_logit(static_cast<double>(values[lane]), logits_dtype);
+    if (topk != nullptr) {
+      topk->offer(key, first + lane);
+    } else {
+      best->offer(key, first + lane);
+    }
+  }
+}
+
+// Ranks kVectors vectors of z, ids first...: only a logit above the bar can get in (one at
+// or below a key representable in logits_dtype rounds at or below it, and loses the tie to
+// the earlier id); until a bar exists every lane is offered. The lanes past the row
+// (valid[b] false) never are. The bar test is folded over the vectors and taken once (a
+// horizontal test of a mask costs about as much as the lanes' math); only a block with a
+// chance pays for its lanes' bits.
+template <typename E, int kVectors>
+DFLASH2_INLINE void rank_vectors(const Vec<E> (&z)[kVectors], const Mask<E> (&valid)[kVectors], int64_t first,
+                                 at::ScalarType logits_dtype, RowTopK* topk, RowArgmax* best) {
+  constexpr int kWidth = HeadLanes<E>::kWidth;
+  static_assert(kVectors * kWidth <= 64, "one bit a lane in a uint64_t");
+  const bool open = topk != nullptr ? topk->open() : best->id < 0;
+  Mask<E> chance[kVectors];
+  Mask<E> any{};
+  const Vec<E> bar = splat<E>(static_cast<E>(topk != nullptr ? topk->bar : best->key));
+  for (int b = 0; b < kVectors; ++b) {
+    chance[b] = (open ? valid[b] : ((z[b] > bar) | (z[b] != z[b]))) & valid[b];
+    any |= chance[b];
+  }
+  if (!any_lane<E>(any)) return;
+  uint64_t lanes = 0;
+  for (int b = 0; b < kVectors; ++b) {
+    for (int i = 0; i < kWidth; ++i) lanes |= static_cast<uint64_t>(chance[b][i] != 0) << (b * kWidth + i);
+  }
+  offer_lanes<E>(z, kVectors, lanes, first, logits_dtype, topk, best);
+}
+
+// Vectors per block of pass A's main loop.
+constexpr int kRankVectors = 4;
+
+// The float_order of the largest of a block's vectors, a NaN on top (RowTopK::float_order).
+template <int kVectors>
+DFLASH2_INLINE uint32_t block_max_order(const Vec<float> (&z)[kVectors]) {
+  Vec<float> top = z[0];
+  for (int b = 1; b < kVectors; ++b) top = (z[b] > top) | (z[b] != z[b]) ? z[b] : top;  // a NaN sticks
+  top = (top != top) | (top > __builtin_shufflevector(top, top, 4, 5, 6, 7, 0, 1, 2, 3))
+            ? top : __builtin_shufflevector(top, top, 4, 5, 6, 7, 0, 1, 2, 3);
+  top = (top != top) | (top > __builtin_shufflevector(top, top, 2, 3, 0, 1, 6, 7, 4, 5))
+            ? top : __builtin_shufflevector(top, top, 2, 3, 0, 1, 6, 7, 4, 5);
+  const float a = top[0], b = top[1];
+  return RowTopK::float_order(a != a || a > b ? a : b);
+}
+
 // Pass A: s -> z (and t) in place, each side's maximum and NaN flag; with `rank`, the
 // rounded draft logits' top-k (config.top_k > 0, into topk: finish() it) or argmax
-// (draft_best); with `rank_target`, the target's argmax (target_best).
+// (draft_best); with `rank_target`, the target's argmax (target_best). Blocks of whole
+// vectors first, then the row's last few lanes.
+//
+// A float top-k over a row of at least 2k blocks takes its bar from the blocks' maxima
+// (RowTopK::bar_from_blocks) and then ranks only the blocks that may hold one of the k
+// best (about k of them, read again from L2): offered in the row's order, each logit once,
+// as the running bar would see them, but only ~k offers a row where the running bar,
+// rising from the first 2k logits, admits O(k log(V / k)).
 template <typename E>
 DFLASH2_INLINE void transform_pass(const RowTask<E>& task, const HeadConfig& config, bool rank, bool rank_target,
                                    RowTopK& topk, RowArgmax& draft_best, RowArgmax& target_best, Normaliser& draft,
                                    Normaliser& target) {
   constexpr int kWidth = HeadLanes<E>::kWidth;
+  constexpr int kBlock = kRankVectors * kWidth;
   constexpr E kNegInf = -std::numeric_limits<E>::infinity();
   const int64_t vocab = config.vocab;
   const bool has_target = task.t != nullptr;
   const bool by_topk = rank && config.top_k > 0;
-  // z = s (scale 1, no softcap): nothing to store back (a row's worth of write-back saved).
-  const bool identity = config.scale == 1.0 && config.softcap <= 0;
-  topk.reset(by_topk ? config.top_k : 0,
-             std::is_same_v<E, float> || config.logits_dtype != at::kDouble, vocab);
+  const LaneTransform<E> transform(config);
+  const at::ScalarType logits_dtype = config.logits_dtype;
+  topk.reset(by_topk ? config.top_k : 0, std::is_same_v<E, float> || logits_dtype != at::kDouble, vocab);
+  RowTopK* const draft_topk = by_topk ? &topk : nullptr;
+  const int64_t blocks = vocab / kBlock;
+  const bool by_blocks = std::is_same_v<E, float> && by_topk && config.top_k <= blocks / 2;
+  if (by_blocks) topk.block_orders.resize(static_cast<size_t>(blocks));
   Vec<E> z_max = splat<E>(kNegInf), t_max = splat<E>(kNegInf);
   Mask<E> z_nan{}, t_nan{};
-  for (int64_t v = 0; v < vocab; v += kWidth) {
-    const int64_t n = std::min<int64_t>(kWidth, vocab - v);
-    const Mask<E> valid = lane_ids<E>(0) < splat<E>(static_cast<E>(n));
-    const Vec<E> z = transform_lanes<E>(task.z + v, n, valid, config, identity, z_max, z_nan);
-    if (rank) {
-      // Only a logit above the bar can get in (one at or below a key representable in
-      // logits_dtype rounds at or below it, and loses the tie to the earlier id).
-      const bool open = by_topk ? topk.open() : draft_best.id < 0;
-      const double bar = by_topk ? topk.bar : draft_best.key;
-      const Mask<E> chance = open ? valid : (z > splat<E>(static_cast<E>(bar))) | (z != z);
-      if (any_lane<E>(chance & valid)) {
-        for (int64_t i = 0; i < n; ++i) {
-          if (!chance[i]) continue;
-          const double key = rounded_logit(static_cast<double>(z[i]), config.logits_dtype);
-          if (by_topk) {
-            topk.offer(key, v + i);
-          } else {
-            draft_best.offer(key, v + i);
-          }
-        }
-      }
+  Mask<E> all[kRankVectors];
+  for (int b = 0; b < kRankVectors; ++b) all[b] = ~Mask<E>{};
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t v = block * kBlock;
+    Vec<E> z[kRankVectors];
+    for (int b = 0; b < kRankVectors; ++b) {
+      z[b] = transform_lanes<E>(task.z + v + b * kWidth, kWidth, transform, z_max, z_nan);
     }
+    if constexpr (std::is_same_v<E, float>) {
+      if (by_blocks) topk.block_orders[block] = block_max_order<kRankVectors>(z);
+    }
+    if (rank && !by_blocks) rank_vectors<E, kRankVectors>(z, all, v, logits_dtype, draft_topk, &draft_best);
     if (has_target) {
-      const Vec<E> t = transform_lanes<E>(task.t + v, n, valid, config, identity, t_max, t_nan);
-      if (rank_target) {
-        const Mask<E> chance =
-            (t > splat<E>(static_cast<E>(target_best.key))) | (t != t) | (target_best.id < 0 ? valid : Mask<E>{});
-        if (any_lane<E>(chance & valid)) {
-          for (int64_t i = 0; i < n; ++i) {
-            if (chance[i]) target_best.offer(rounded_logit(static_cast<double>(t[i]), config.logits_dtype), v + i);
-          }
-        }
+      Vec<E> t[kRankVectors];
+      for (int b = 0; b < kRankVectors; ++b) {
+        t[b] = transform_lanes<E>(task.t + v + b * kWidth, kWidth, transform, t_max, t_nan);
       }
+      if (rank_target) rank_vectors<E, kRankVectors>(t, all, v, logits_dtype, nullptr, &target_best);
+    }
+  }
+  if (by_blocks) {
+    topk.bar_from_blocks(logits_dtype);
+    for (int64_t block = 0; block < blocks; ++block) {
+      if (topk.block_orders[block] < topk.block_floor) continue;
+      const int64_t v = block * kBlock;
+      Vec<E> z[kRankVectors];
+      for (int b = 0; b < kRankVectors; ++b) z[b] = load_lanes(task.z + v + b * kWidth, kWidth, E(0));
+      rank_vectors<E, kRankVectors>(z, all, v, logits_dtype, draft_topk, &draft_best);
+    }
+  }
+  for (int64_t v = blocks * kBlock; v < vocab; v += kWidth) {
+    const int64_t n = std::min<int64_t>(kWidth, vocab - v);
+    const Mask<E> valid[1] = {lane_ids<E>(0) < splat<E>(static_cast<E>(n))};
+    const Vec<E> z[1] = {transform_lanes<E>(task.z + v, n, transform, z_max, z_nan)};
+    if (rank) rank_vectors<E, 1>(z, valid, v, logits_dtype, draft_topk, &draft_best);
+    if (has_target) {
+      const Vec<E> t[1] = {transform_lanes<E>(task.t + v, n, transform, t_max, t_nan)};
+      if (rank_target) rank_vectors<E, 1>(t, valid, v, logits_dtype, nullptr, &target_best);
     }
   }
   for (int i = 0; i < kWidth; ++i) {
@@ -538,23 +685,38 @@ DFLASH2_INLINE void transform_pass(const RowTask<E>& task, const HeadConfig& con
   target.has_nan = any_lane<E>(t_nan);
 }
 
+// sum_v exp(x_v - maximum) over a row's n entries: blocks of four whole vectors, then the
+// last few lanes (at -inf: exp gives exactly 0). A block's four vectors are added in E
+// as a tree before its sum joins the double sums: two roundings of a sum of four terms
+// <= 1, as small as exp's own, where a conversion per vector would cost a third of
+// the exps' time.
+template <typename E>
+DFLASH2_INLINE double sum_exp(const E* x, int64_t n, double maximum) {
+  constexpr int kWidth = HeadLanes<E>::kWidth;
+  const Vec<E> top = splat<E>(static_cast<E>(maximum));
+  DoubleSums sums;
+  int64_t v = 0;
+  for (; v + 4 * kWidth <= n; v += 4 * kWidth) {
+    const Vec<E> e0 = exp_lanes(load_lanes(x + v, kWidth, E(0)) - top);
+    const Vec<E> e1 = exp_lanes(load_lanes(x + v + kWidth, kWidth, E(0)) - top);
+    const Vec<E> e2 = exp_lanes(load_lanes(x + v + 2 * kWidth, kWidth, E(0)) - top);
+    const Vec<E> e3 = exp_lanes(load_lanes(x + v + 3 * kWidth, kWidth, E(0)) - top);
+    sums.add((e0 + e1) + (e2 + e3));
+  }
+  for (; v + kWidth <= n; v += kWidth) sums.add(exp_lanes(load_lanes(x + v, kWidth, E(0)) - top));
+  if (v < n) sums.add(exp_lanes(load_lanes(x + v, n - v, -std::numeric_limits<E>::infinity()) - top));
+  return sums.total();
+}
+
 // Pass B: each side's log-sum-exp from its maximum (lse of a side without logits: 0).
 template <typename E>
 DFLASH2_INLINE void normalise_pass(const RowTask<E>& task, int64_t vocab, Normaliser& draft, Normaliser& target) {
-  constexpr int kWidth = HeadLanes<E>::kWidth;
-  constexpr E kNegInf = -std::numeric_limits<E>::infinity();
   const bool has_target = task.t != nullptr;
   const bool draft_finite = std::isfinite(draft.max) && !draft.has_nan;
   const bool target_finite = has_target && std::isfinite(target.max) && !target.has_nan;
-  DoubleSums draft_sums, target_sums;
-  const Vec<E> draft_top = splat<E>(static_cast<E>(draft.max)), target_top = splat<E>(static_cast<E>(target.max));
-  for (int64_t v = 0; (draft_finite || target_finite) && v < vocab; v += kWidth) {
-    const int64_t n = std::min<int64_t>(kWidth, vocab - v);
-    if (draft_finite) draft_sums.add(exp_lanes(load_lanes(task.z + v, n, kNegInf) - draft_top));
-    if (target_finite) target_sums.add(exp_lanes(load_lanes(task.t + v, n, kNegInf) - target_top));
-  }
-  draft.lse = row_lse(draft.max, draft.has_nan, draft_sums.total());
-  target.lse = has_target ? row_lse(target.max, target.has_nan, target_sums.total()) : 0.0;
+  draft.lse = row_lse(draft.max, draft.has_nan, draft_finite ? sum_exp(task.z, vocab, draft.max) : 0.0);
+  const double target_sum = target_finite ? sum_exp(task.t, vocab, target.max) : 0.0;
+  target.lse = has_target ? row_lse(target.max, target.has_nan, target_sum) : 0.0;
 }
 
 // Pass C, on a row with a target: the soft losses' sums against the normalisers (only the

@@ -18,10 +18,19 @@ F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 
 def _logits(rows: int, vocab: int, kind: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """random: spread values; ties: a handful of values (ties everywhere, the K-th included);
-    specials: ties plus NaN, +-inf and -0 / +0."""
+    specials: ties plus NaN, +-inf and -0 / +0; nans: a third NaN (more than K NaN blocks);
+    neginf: -inf but for a few values (fewer than K); rounding: 1 + 1e-3 N(0, 1), which a
+    16-bit logits_dtype rounds to a handful of keys (ties made by the rounding)."""
     gen = torch.Generator().manual_seed(seed)
     if kind == "random":
         return (torch.randn(rows, vocab, generator=gen, dtype=F64) * 3).to(dtype)
+    if kind == "rounding":
+        return (1 + 1e-3 * torch.randn(rows, vocab, generator=gen, dtype=F64)).to(dtype)
+    if kind in ("nans", "neginf"):
+        values = torch.randn(rows, vocab, generator=gen, dtype=F64)
+        if kind == "nans":
+            return values.masked_fill(torch.rand(rows, vocab, generator=gen) < 1 / 3, float("nan")).to(dtype)
+        return values.masked_fill(torch.rand(rows, vocab, generator=gen) > 5 / vocab, float("-inf")).to(dtype)
     values = (torch.randint(-4, 5, (rows, vocab), generator=gen).to(F64) * 0.75).to(dtype)
     if kind == "specials":
         flat = values.view(-1)
@@ -39,8 +48,20 @@ def _expected(logits: torch.Tensor, top_k: int, logits_dtype: torch.dtype) -> to
 
 # (rows, vocab, K, kind, plane dtype, logits_dtype): vocabularies across the CPU kernel's lanes
 # of 8 floats / 4 doubles, K from 1 to V, K large enough to compact its candidates many times
-# (2K held, then the best K kept) and K = V; every rounding of the logits.
+# (2K held, then the best K kept) and K = V; every rounding of the logits. A float row of
+# at least 2K blocks of 32 takes its bar from the blocks' maxima first (RowTopK::
+# bar_from_blocks): K at that limit, ties and rounding at the bar, a bar that is NaN (K
+# blocks hold one) or -inf (fewer than K finite logits), a row's last lanes past its blocks.
 CPU_CASES = [
+    (4, 1000, 15, "specials", F32, F16),
+    (4, 1000, 15, "nans", F32, F32),
+    (3, 1024, 10, "neginf", F32, F32),
+    (4, 3000, 16, "ties", F32, BF16),
+    (4, 3000, 16, "ties", F32, F32),
+    (3, 5011, 64, "rounding", F32, F16),
+    (3, 5011, 78, "rounding", F32, BF16),
+    (3, 33_000, 256, "random", F32, BF16),
+    (3, 33_000, 500, "specials", F32, F32),
     (3, 1, 1, "random", F32, F32),
     (4, 7, 7, "ties", F32, F32),
     (4, 9, 3, "specials", F32, BF16),
