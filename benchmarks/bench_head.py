@@ -56,7 +56,11 @@ Shapes (k = 16). CPU, fp32, H 256: N in {1024, 4096} x V in {32,000, 151,936}, e
 and direction (kl_div+tv fwd, fwd+bwd, ce labels fwd+bwd); the issue's row N 1024,
 V 131,072 (kl_div+tv fwd+bwd); and, for the plot of peak memory against N, kl_div+tv
 fwd+bwd at V 151,936 for N 256 to 4096 (the memory plot's panel of that family).
-CUDA, bf16: N in {4096, 8192, 16384}, V 248,320, H 5120.
+CUDA, bf16: N in {4096, 16384}, V 248,320, H 5120, the trainers' defaults: ``kl_div``
+(speculators: the kl_div loss, tv a metric: ours' overlap output, the dense heads' tv under
+no_grad) and ``ce labels``, forward and forward+backward. There each record also carries
+``extra.device_ms``: the device's share of a call, the sum of its kernels' times
+(``common.device_kernel_ms``, torch.profiler), beside the call time the table shows.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ import dflash2_kernels as dk  # noqa: E402
 from dflash2_kernels import reference  # noqa: E402
 
 from common import (  # noqa: E402
-    FLOOR_IMPL, Row, print_table, settled_peak_bytes, start_run, time_side_by_side, write_records,
+    FLOOR_IMPL, Row, device_kernel_ms, print_table, settled_peak_bytes, start_run, time_side_by_side, write_records,
 )
 
 TOP_K = 16
@@ -112,7 +116,10 @@ def cpu_shapes(full: bool) -> list[Shape]:
     return sorted(shapes, key=lambda s: (s.hidden, s.vocab, s.rows))
 
 
-GPU_SHAPES = [Shape(n, 248_320, 5120, torch.bfloat16) for n in (4096, 8192, 16384)]
+# The GPU targets (issue 37): the trainers' defaults, speculators' kl_div (tv a metric) and
+# NeMo's ce with labels, forward and forward+backward.
+GPU_CASES = ((KL, False), (KL, True), (CE, False), (CE, True))
+GPU_SHAPES = [Shape(n, 248_320, 5120, torch.bfloat16, GPU_CASES) for n in (4096, 16384)]
 
 
 def quick_shape(device: torch.device) -> Shape:
@@ -175,6 +182,20 @@ def dense_soft(hidden, weight, target_hidden):
     return [kl, tv], values, ids
 
 
+def dense_kl(hidden, weight, target_hidden):
+    """speculators' default head: both sides' logits materialised, its eager kl_div (the loss)
+    and tv (the accept-rate metric, no gradient), top-k."""
+    from speculators.losses.eager import kl_div_loss, tv_loss
+
+    logits = F.linear(hidden, weight)
+    targets = F.linear(target_hidden, weight)
+    kl = kl_div_loss(logits.unsqueeze(0), targets.unsqueeze(0)).squeeze(0)
+    with torch.no_grad():
+        tv_loss(logits.unsqueeze(0), targets.unsqueeze(0))
+    values, ids = torch.topk(logits, TOP_K, dim=-1)
+    return [kl], values, ids
+
+
 def dense_ce(hidden, weight, labels):
     """Cross entropy against labels on materialised logits, as NeMo computes its per-token NLL
     (nemo_automodel's dllm_loss._compute_per_token_nll; speculators' ce_loss makes the same
@@ -196,12 +217,16 @@ def eager(form: str):
         return dense_ce, "F.linear logits [N, V]; F.cross_entropy(reduction='none') with labels, as NeMo; torch.topk"
     if _speculators_losses() is None:
         return dense_reference(form), "dflash2_kernels.reference.draft_head (speculators not importable)"
+    if form == KL:
+        return dense_kl, ("F.linear logits [N, V] both sides; speculators.losses.eager kl_div_loss, tv_loss as a "
+                          "metric (no grad); torch.topk")
     return dense_soft, "F.linear logits [N, V] both sides; speculators.losses.eager kl_div_loss, tv_loss; torch.topk"
 
 
 def speculators_fused(form: str, device: torch.device):
-    """speculators' default (Triton) losses on the materialised logits: CUDA, kl_div+tv only."""
-    if device.type != "cuda" or form != SOFT:
+    """speculators' default (Triton) losses on the materialised logits: CUDA, kl_div+tv and
+    kl_div (tv a metric)."""
+    if device.type != "cuda" or form not in (SOFT, KL):
         return None
     try:
         from speculators.losses.fused import fused_kl_div_loss, fused_tv_loss
@@ -212,10 +237,16 @@ def speculators_fused(form: str, device: torch.device):
         logits = F.linear(hidden, weight)
         targets = F.linear(target_hidden, weight)
         kl = fused_kl_div_loss(logits.unsqueeze(0), targets.unsqueeze(0)).squeeze(0)
-        tv = fused_tv_loss(logits.unsqueeze(0), targets.unsqueeze(0)).squeeze(0)
+        if form == SOFT:
+            losses = [kl, fused_tv_loss(logits.unsqueeze(0), targets.unsqueeze(0)).squeeze(0)]
+        else:
+            with torch.no_grad():
+                fused_tv_loss(logits.unsqueeze(0), targets.unsqueeze(0))
+            losses = [kl]
         values, ids = torch.topk(logits, TOP_K, dim=-1)
-        return [kl, tv], values, ids
-    return fn, "F.linear logits [N, V] both sides; speculators.losses.fused kl_div, tv (Triton); torch.topk"
+        return losses, values, ids
+    metric = "" if form == SOFT else " (tv as a metric, no grad)"
+    return fn, f"F.linear logits [N, V] both sides; speculators.losses.fused kl_div, tv{metric} (Triton); torch.topk"
 
 
 # --- inputs, calls, floor ----------------------------------------------------------------------
@@ -274,7 +305,7 @@ def floor(shape: Shape, form: str, backward: bool, inputs: Inputs, product: torc
 
     def gemms():
         torch.mm(inputs.hidden, weight_t, out=product)
-        if form == SOFT:
+        if form in (SOFT, KL):
             torch.mm(inputs.target_hidden, weight_t, out=product)
         if backward:
             torch.mm(product, inputs.weight, out=grad_hidden)
@@ -434,19 +465,26 @@ def time_case(case: Case, inputs: Inputs, product: torch.Tensor, impls: dict, de
     if quick:
         timings = time_side_by_side(calls, device, warmup=1, reps=5, budget_s=2, warmup_s=0.05)
     else:
-        timings = time_side_by_side(calls, device, warmup=1 if slow else 3, reps=5 if slow else 20, budget_s=60)
+        # A GPU is lent for minutes (scripts/gpu_check.sh): a few seconds a case there.
+        budget_s = 8 if device.type == "cuda" else 60
+        timings = time_side_by_side(calls, device, warmup=1 if slow else 3, reps=5 if slow else 20,
+                                    budget_s=budget_s)
     sources = {impl: source for impl, (_, source) in impls.items()}
-    gemms = ("h W^T, t_h W^T" if form == SOFT else "h W^T") + (", dS W" if backward else "")
+    gemms = ("h W^T, t_h W^T" if form in (SOFT, KL) else "h W^T") + (", dS W" if backward else "")
     sources[FLOOR_IMPL] = "torch.mm: " + gemms
     for impl, timing in timings.items():
         extra = {"peak_extra_mib": None, "source": sources[impl], "gemm_flops": gemm_flops(shape, form, backward),
                  "shape": {"rows": shape.rows, "vocab": shape.vocab, "hidden": shape.hidden,
                            "dtype": str(shape.dtype).removeprefix("torch."), "top_k": TOP_K,
-                           "losses": list(SOFT_LOSSES) if form == SOFT else ["ce"]}}
+                           "losses": list(FORM_LOSSES[form])}}
         if case.skipped:
             extra["skipped"] = dict(case.skipped)
+        # The device's share of the call (the sum of its kernels' times): the call time above
+        # adds the host's launches and gaps (issue 38).
+        extra["device_ms"] = device_kernel_ms(calls[impl], device)
         case.rows.append(Row("head", label, impl, timing, minimal_bytes(shape, form, backward), copy_gbps, extra))
-        print(f"#   {label:48} {impl:20} {timing.median_ms:10.2f} ms", flush=True)
+        device_note = "" if extra["device_ms"] is None else f" (device {extra['device_ms']:.2f} ms)"
+        print(f"#   {label:48} {impl:20} {timing.median_ms:10.2f} ms{device_note}", flush=True)
 
 
 def measure_memory(case: Case, inputs: Inputs, impls: dict, device: torch.device) -> None:
@@ -681,7 +719,8 @@ def main() -> None:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-        compiled = {form: torch.compile(eager(form)[0], dynamic=False) for form in (SOFT, CE)}
+        forms = {form for shape in shapes for form, _ in shape.cases}
+        compiled = {form: torch.compile(eager(form)[0], dynamic=False) for form in forms}
     env = dict(run.env)
     notes = []
     if not hasattr(dk, "draft_head"):

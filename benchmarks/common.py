@@ -111,6 +111,26 @@ def time_side_by_side(fns: dict, device: torch.device, *, warmup: int = 3, reps:
     return {name: _summary(values) for name, values in samples.items()}
 
 
+def device_kernel_ms(fn, device: torch.device, calls: int = 3) -> float | None:
+    """Per call of ``fn()``, the device time of the work it launches: the sum of its kernels'
+    (and memory copies' and sets') durations as torch.profiler records them, whatever time
+    the host adds around them (launch overheads, syncs, gaps). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    total_us = 0.0
+    for event in prof.key_averages():
+        total_us += getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+    return total_us / 1e3 / calls
+
+
 def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int = 20, reps: int = 50) -> Timing:
     """Per-call time of ``fn()`` replayed from a CUDA graph of ``calls_per_graph`` calls."""
     side = torch.cuda.Stream(device)

@@ -24,6 +24,11 @@ around them) and the eager reference, estimated alike, the predicted H200 speed-
 the speed-up measured on the CPU by the op's benchmark (docs/results/records.jsonl: its
 largest matching case, named).
 
+Then the whole calls (benchmarks/whole_call.py): every public op's real code on fake CUDA
+tensors, its launches, host syncs, bytes over [R, V] planes, GEMM FLOPs and peak memory,
+the draft head's beside the dense head it replaces (its own table and records,
+docs/results/whole_call.jsonl).
+
 --gpu: on a GPU machine, times each kernel (torch.profiler) and each op at the published
 shapes and prints them beside the committed model (docs/results/traffic.jsonl): the first
 check of the model. scripts/gpu_check.sh runs it.
@@ -471,6 +476,22 @@ def main() -> None:
         Path(args.save).write_text("".join(json.dumps(r) + "\n" for r in records))
     if args.doc:
         write_doc(Path(args.doc), markdown(records, env))
+    if not args.only:
+        # The whole calls beside the kernels: every public op on fake CUDA tensors (launches,
+        # syncs, bytes over planes, GEMM FLOPs, peak; benchmarks/whole_call.py), its records
+        # next to the kernels' (docs/results/whole_call.jsonl with --save).
+        import whole_call
+
+        print()
+        calls = whole_call.model_rows()
+        if args.out:
+            with open(args.out, "a") as f:
+                for r in calls:
+                    f.write(json.dumps(r) + "\n")
+        if args.save:
+            Path(args.save).with_name("whole_call.jsonl").write_text("".join(json.dumps(r) + "\n" for r in calls))
+        if args.doc:
+            whole_call.write_doc(Path(args.doc), whole_call.markdown(calls))
 
 
 if __name__ == "__main__":

@@ -273,88 +273,154 @@ def rejection_case(vocab: int) -> Callable:
     return make
 
 
-# --- the draft head's row kernels (Triton) ------------------------------------------------
+# --- the draft head's GPU driver (Triton) --------------------------------------------------
 
-HEAD_LOSSES = ("kl_div",)
-HEAD_LOSS_MASK = 1  # kl_div: row_launch.LOSS_ORDER
+HEAD_WIDTH = 8  # the GEMMs are torch's (counted with the ops around ours): a narrow H keeps them cheap
 
 
-def _head_rows_inputs(rows: int, vocab: int, seed: int, device):
+def _head_inputs(rows: int, vocab: int, seed: int, device, *, target: bool = True, labels: bool = False):
+    """hidden [R, 8], W [V, 8] (logits spread over a few units), the target's hidden, labels."""
     g = _generator(seed, device)
-    return 4 * torch.randn(rows, vocab, generator=g, device=device), 4 * torch.randn(rows, vocab, generator=g,
-                                                                                       device=device)
+    hidden = torch.randn(rows, HEAD_WIDTH, generator=g, device=device)
+    weight = torch.randn(vocab, HEAD_WIDTH, generator=g, device=device)
+    target_hidden = hidden + 0.7 * torch.randn(rows, HEAD_WIDTH, generator=g, device=device) if target else None
+    label_ids = torch.randint(0, vocab, (rows,), generator=g, device=device) if labels else None
+    return hidden, weight, target_hidden, label_ids
 
 
-def head_rows_forward_case(vocab: int) -> Callable:
-    """One chunk of the training forward with a frozen lm_head: kl_div, its dL/ds plane."""
+def _head_chunk(rows: int, vocab: int, top_k: int, *, target: bool, labels: bool, losses: int,
+                plane_losses: int = 0):
+    from dflash2_kernels.head.gpu_launch import segments
+
+    return minimum.HeadChunk(rows, vocab, segments(vocab, torch.float32, False), top_k, target, labels, losses,
+                             plane_losses)
+
+
+def head_forward_case(vocab: int, losses: tuple, top_k: int) -> Callable:
+    """One chunk of the training forward with a frozen lm_head (the forward keeps dL/dh): the
+    scan, the merge, the sweep (sums and the planes of kl_div / ce) and the finish."""
 
     def make(rows: int, ops=None, device="cpu") -> CaseRun:
-        from dflash2_kernels.head.row_launch import head_rows_triton
+        from dflash2_kernels.head import gpu_driver
+        from dflash2_kernels.head.checks import loss_mask_of
 
-        s0, t0 = _head_rows_inputs(rows, vocab, 9, device)
-        s, t = s0.clone(), t0.clone()  # the kernel overwrites them
-        planes = torch.empty(len(HEAD_LOSSES), rows, vocab, device=device)
-        state = {}
+        target = any(name != "ce" for name in losses)
+        hidden, weight, target_hidden, labels = _head_inputs(rows, vocab, 9, device, target=target,
+                                                             labels="ce" in losses)
+        mask = loss_mask_of(losses)
+        chunk = _head_chunk(rows, vocab, top_k, target=target, labels=labels is not None, losses=len(losses),
+                            plane_losses=len(losses))
+        kernels = {"draft_head_scan_kernel": minimum.head_scan(chunk),
+                   "draft_head_merge_kernel": minimum.head_merge(chunk),
+                   "draft_head_sweep_kernel[forward]": minimum.head_sweep_forward(chunk)}
+        if target:
+            kernels["draft_head_finish_kernel"] = minimum.head_finish(rows, chunk.segments, mask, True)
+        return CaseRun(
+            ours=lambda: gpu_driver.forward(hidden, weight, target_hidden, None, labels, mask, top_k, 1.0, 0.0,
+                                            torch.float32, True, rows),
+            reference=lambda: reference.draft_head(hidden, weight, target_hidden=target_hidden, labels=labels,
+                                                   losses=losses, top_k=top_k),
+            minimum=lambda _: minimum.Minimum(sum(kernels.values()), kernels), kernels=tuple(kernels))
+    return make
+
+
+def head_radix_case(vocab: int, top_k: int) -> Callable:
+    """The serving form with K above the candidates' limit: the scan, the radix select (and a
+    torch sort of its [R, K] picks), the merge."""
+
+    def make(rows: int, ops=None, device="cpu") -> CaseRun:
+        from dflash2_kernels.head import gpu_driver
+
+        hidden, weight, _, _ = _head_inputs(rows, vocab, 12, device, target=False)
+        chunk = _head_chunk(rows, vocab, 0, target=False, labels=False, losses=0)
+        merge = minimum.head_merge(minimum.HeadChunk(rows, vocab, chunk.segments, top_k, False, False, 0))
+        kernels = {"draft_head_scan_kernel": minimum.head_scan(chunk),
+                   "draft_head_topk_kernel": minimum.head_radix_topk(rows, vocab, top_k, 4),
+                   "draft_head_merge_kernel": merge - chunk.segments * rows * 8 * top_k + rows * top_k * 8}
+        return CaseRun(
+            ours=lambda: gpu_driver.forward(hidden, weight, None, None, None, 0, top_k, 1.0, 0.0, torch.float32,
+                                            False, rows),
+            reference=lambda: torch.topk(hidden @ weight.t(), top_k, dim=-1),
+            minimum=lambda _: minimum.Minimum(sum(kernels.values()), kernels), kernels=tuple(kernels))
+    return make
+
+
+def _head_backward_state(rows: int, vocab: int, device, weight_grad: bool):
+    """The forward's saved tensors of a kl_div + ce call and upstream gradients."""
+    from dflash2_kernels.head import gpu_driver
+
+    hidden, weight, target_hidden, labels = _head_inputs(rows, vocab, 10, device, labels=True)
+    mask = 0b10001
+    out = gpu_driver.forward(hidden, weight, target_hidden, None, labels, mask, TOP_K, 1.0, 0.0, torch.float32,
+                             not weight_grad, rows)
+    g = _generator(11, device)
+    grads = (torch.rand(2, rows, generator=g, device=device), torch.randn(rows, TOP_K, generator=g, device=device),
+             torch.randn(rows, generator=g, device=device))
+    saved = (hidden, weight, target_hidden, None, labels, out[1], out[11], out[3], out[12], out[13], out[14], mask,
+             TOP_K, 1.0, 0.0, torch.float32)
+    return grads, saved
+
+
+def head_backward_case(vocab: int, weight_grad: bool) -> Callable:
+    """The backward of a kl_div + ce call: from the kept dL/dh planes (a frozen lm_head: one
+    launch), or the recompute of a trainable lm_head (the sweep's combined dL/ds a chunk)."""
+
+    def make(rows: int, ops=None, device="cpu") -> CaseRun:
+        from dflash2_kernels.head import gpu_driver
+
+        grads, saved = _head_backward_state(rows, vocab, device, weight_grad)
+        if weight_grad:
+            chunk = _head_chunk(rows, vocab, TOP_K, target=True, labels=True, losses=2)
+            kernels = {"draft_head_sweep_kernel[backward]": minimum.head_sweep_backward(chunk)}
+        else:
+            kernels = {"draft_head_hidden_grad_kernel": minimum.head_hidden_grad(rows, HEAD_WIDTH, 2, TOP_K, 4, 4, 4)}
+        return CaseRun(
+            ours=lambda: gpu_driver.backward(*grads, *saved, True, weight_grad, rows),
+            reference=lambda: None,
+            minimum=lambda _: minimum.Minimum(sum(kernels.values()), kernels), kernels=tuple(kernels))
+    return make
+
+
+@contextlib.contextmanager
+def _one_rank():
+    """The vocab-parallel collectives of one rank alone: a gather of itself, a sum of itself."""
+    from dflash2_kernels.head import shard_common
+
+    gather, reduce = shard_common.all_gather_ranks, shard_common.all_reduce_sum
+    shard_common.all_gather_ranks = lambda tensor, group: tensor.unsqueeze(0)
+    shard_common.all_reduce_sum = lambda tensor, group: tensor
+    try:
+        yield
+    finally:
+        shard_common.all_gather_ranks, shard_common.all_reduce_sum = gather, reduce
+
+
+def head_shard_case(vocab: int) -> Callable:
+    """One rank's forward of the vocab-parallel head on the Triton kernels (a world of one:
+    the collectives are the identity), kl_div + ce with kept planes: the scan, the pack, the
+    merge, the sweep, then the shares, the final."""
+
+    def make(rows: int, ops=None, device="cpu") -> CaseRun:
+        from dflash2_kernels.head import shard_common, shard_gpu
+
+        hidden, weight, target_hidden, labels = _head_inputs(rows, vocab, 13, device, labels=True)
+        plan = shard_common.ShardPlan(None, 0, vocab, 0b10001, TOP_K, 1.0, 0.0, torch.float32, None, vocab)
+        chunk = _head_chunk(rows, vocab, TOP_K, target=True, labels=True, losses=2, plane_losses=2)
+        kernels = {
+            "draft_head_scan_kernel": minimum.head_scan(chunk),
+            "draft_head_shard_pack_kernel": minimum.head_shard_pack(rows, chunk.segments, TOP_K, True, 4, 1),
+            "draft_head_shard_merge_kernel": minimum.head_shard_merge(rows, 1, TOP_K, TOP_K, True, True, 4),
+            "draft_head_sweep_kernel[forward]": minimum.head_sweep_forward(chunk),
+            "draft_head_shard_shares_kernel": minimum.head_shard_shares(rows, chunk.segments, TOP_K),
+            "draft_head_shard_final_kernel": minimum.head_shard_final(rows, 2, TOP_K, 4, 4, True),
+        }
 
         def ours():
-            losses, stats = head_rows_triton(s, t, None, HEAD_LOSS_MASK, 1.0, 0.0, planes)
-            state.update(losses=losses, stats=stats)
-            return losses
+            with _one_rank():
+                return shard_gpu.forward(hidden, weight, target_hidden, None, labels, plan, (True, False, True))
 
-        def eager():
-            z = s0.detach().requires_grad_()
-            losses = reference.draft_head_row_losses(z, t0, None, HEAD_LOSSES)
-            torch.autograd.grad(losses["kl_div"].sum(), z)
-
-        return CaseRun(
-            ours=ours, reference=eager,
-            minimum=lambda _: minimum.head_rows_forward(s0, t0, None, state["losses"], state["stats"], planes),
-            kernels=("draft_head_rows_kernel[forward]",), reset=lambda: (s.copy_(s0), t.copy_(t0)))
-    return make
-
-
-def head_rows_backward_case(vocab: int) -> Callable:
-    """One chunk of the backward that recomputes (a trainable lm_head): kl_div's dL/ds."""
-
-    def make(rows: int, ops=None, device="cpu") -> CaseRun:
-        from dflash2_kernels.head.row_launch import head_rows_backward_triton
-
-        s0, t0 = _head_rows_inputs(rows, vocab, 10, device)
-        grad_losses = torch.rand(len(HEAD_LOSSES), rows, generator=_generator(11, device), device=device)
-        graph = {}
-
-        def prepare():
-            z = s0.detach().requires_grad_()
-            graph["loss"] = (reference.draft_head_row_losses(z, t0, None, HEAD_LOSSES)["kl_div"], z)
-
-        def eager_backward():
-            if "loss" not in graph:
-                prepare()
-            loss, z = graph.pop("loss")
-            torch.autograd.grad(loss, z, grad_losses[0])
-
-        s, t = s0.clone(), t0.clone()  # the kernel overwrites them
-        return CaseRun(
-            ours=lambda: head_rows_backward_triton(s, t, None, HEAD_LOSS_MASK, 1.0, 0.0, grad_losses),
-            reference=eager_backward,
-            minimum=lambda _: minimum.head_rows_backward(s0, t0, None, grad_losses),
-            kernels=("draft_head_rows_kernel[backward]",), prepare_reference=prepare,
-            reset=lambda: (s.copy_(s0), t.copy_(t0)))
-    return make
-
-
-def head_topk_case(vocab: int, top_k: int) -> Callable:
-    """The head's Triton top-k over a chunk's logits (a radix select: head/topk_kernels.py)."""
-
-    def make(rows: int, ops=None, device="cpu") -> CaseRun:
-        from dflash2_kernels.head.topk_launch import row_topk_triton
-
-        values, _ = _head_rows_inputs(rows, vocab, 12, device)
-        return CaseRun(
-            ours=lambda: row_topk_triton(values, top_k),
-            reference=lambda: torch.topk(values, top_k, dim=-1),
-            minimum=lambda ids: minimum.head_topk(values, ids),
-            kernels=("draft_head_topk_kernel",))
+        return CaseRun(ours=ours, reference=lambda: None,
+                       minimum=lambda _: minimum.Minimum(sum(kernels.values()), kernels), kernels=tuple(kernels))
     return make
 
 
@@ -392,12 +458,18 @@ CASES = (
          walk_case(VOCAB, torch.bfloat16, 1.0)),
     Case("rejection_sample fp32", "rejection", "emulator", f"B {SERVE_SEQUENCES} x D {DRAFT}, V {VOCAB}, k {TOP_K}",
          SERVE_SEQUENCES, (1, 2), rejection_case(VOCAB)),
-    Case("head rows kl_div forward fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, fp32",
-         TRAIN_ROWS, (2, 4), head_rows_forward_case(VOCAB)),
-    Case("head rows kl_div backward fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, fp32",
-         TRAIN_ROWS, (2, 4), head_rows_backward_case(VOCAB)),
-    Case("head top-k fp32", "head_topk", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
-         TRAIN_ROWS, (2, 4), head_topk_case(VOCAB, TOP_K)),
+    Case("head forward kl_div fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
+         TRAIN_ROWS, (2, 4), head_forward_case(VOCAB, ("kl_div",), TOP_K)),
+    Case("head forward ce fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
+         TRAIN_ROWS, (2, 4), head_forward_case(VOCAB, ("ce",), TOP_K)),
+    Case("head backward kept planes fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}",
+         TRAIN_ROWS, (2, 4), head_backward_case(VOCAB, False)),
+    Case("head backward recompute fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
+         TRAIN_ROWS, (2, 4), head_backward_case(VOCAB, True)),
+    Case("head top-k radix fp32", "head_topk", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k 256, fp32",
+         TRAIN_ROWS, (2, 4), head_radix_case(VOCAB, 256)),
+    Case("head vocab-parallel shard fp32", "head", "interpreter", f"{TRAIN_ROWS} rows x V {VOCAB}, k {TOP_K}, fp32",
+         TRAIN_ROWS, (2, 4), head_shard_case(VOCAB)),
 )
 
 

@@ -406,6 +406,37 @@ class AtenOp:
     dtype: torch.dtype | None
 
 
+def aten_op(func, args, kwargs, out) -> AtenOp | None:
+    """What one aten op moves: its tensor inputs read, its outputs written (a mutated
+    argument is written, and read too unless the op only writes it), FLOPs of matrix
+    products; None for a view or an op that moves no tensor data."""
+    schema = func._schema
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if name in _NO_TRAFFIC:
+        return None
+    if all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and schema.returns:
+        return None  # a view
+    written_ids = set()
+    write = 0
+    for arg, value in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            for t in _tensors(value):
+                written_ids.add(id(t))
+                write += tensor_bytes(t)
+    read = 0
+    for value in list(args) + list(kwargs.values()):
+        for t in _tensors(value):
+            if id(t) in written_ids and name in _PURE_WRITES:
+                continue
+            if id(t) in written_ids and "out" in kwargs and any(t is o for o in _tensors(kwargs["out"])):
+                continue
+            read += tensor_bytes(t)
+    if not written_ids:
+        write = sum(tensor_bytes(t) for t in _tensors(out))
+    dtypes = [t.dtype for t in _tensors(out)] or [t.dtype for t in _tensors(args)]
+    return AtenOp(name, read, write, _matmul_flops(name, args, out), dtypes[0] if dtypes else None)
+
+
 class AtenTraffic:
     """Sums each aten op's traffic while active: bytes of its tensor inputs (read) and
     outputs (written; a mutated argument is written, and read too unless the op only
@@ -443,31 +474,9 @@ class AtenTraffic:
         self._mode.__exit__(*exc)
 
     def _record(self, func, args, kwargs, out) -> None:
-        schema = func._schema
-        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-        if name in _NO_TRAFFIC:
-            return
-        if all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and schema.returns:
-            return  # a view
-        written_ids = set()
-        write = 0
-        for arg, value in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                for t in _tensors(value):
-                    written_ids.add(id(t))
-                    write += tensor_bytes(t)
-        read = 0
-        for value in list(args) + list(kwargs.values()):
-            for t in _tensors(value):
-                if id(t) in written_ids and name in _PURE_WRITES:
-                    continue
-                if id(t) in written_ids and "out" in kwargs and any(t is o for o in _tensors(kwargs["out"])):
-                    continue
-                read += tensor_bytes(t)
-        if not written_ids:
-            write = sum(tensor_bytes(t) for t in _tensors(out))
-        dtypes = [t.dtype for t in _tensors(out)] or [t.dtype for t in _tensors(args)]
-        self.ops.append(AtenOp(name, read, write, _matmul_flops(name, args, out), dtypes[0] if dtypes else None))
+        op = aten_op(func, args, kwargs, out)
+        if op is not None:
+            self.ops.append(op)
 
     @property
     def read_bytes(self) -> int:

@@ -90,21 +90,43 @@ BUDGETS = {
         why="dx gathers dy and delta of row m + tap and ddelta reads x of row n - tap: dy and x are requested "
             "twice (K = 2; 5.25 / 3.25 of the minimum), the second from the L1/L2; base is reloaded per row step; "
             "dbase is written as one fp64 partial per row chunk"),
-    "draft_head_rows_kernel[forward]": Budget(
-        requested=2.0, dram="requested",
-        why="three passes over each row of the chunk (transform + logsumexp, the losses' sums, the gradient "
-            "planes: (8 + L) / (4 + L) of the minimum with L planes): a row is 1 MB (V = 248,320 fp32) and "
-            "hundreds are in flight, so the re-reads come from HBM"),
+    "draft_head_scan_kernel": Budget(
+        sectors=1.1,
+        why="one read of each plane; the candidates are stored compacted at data-dependent positions (a few "
+            "sectors a segment), the partials as scalars"),
+    "draft_head_merge_kernel": Budget(
+        unique=1.5, requested=1.5, sectors=4.0,
+        why="the scan hands over up to 2K candidates a segment (its bar admits ties and near misses; the minimum "
+            "counts K); per row scalar loads and stores: the top-k ids it stores are read back for their logits, "
+            "each logit gathered from the planes a whole sector (latency-bound: R programs)"),
+    "draft_head_sweep_kernel[forward]": Budget(
+        sectors=1.1,
+        why="one read of each plane and one write of each gradient plane; the row's statistics are scalar loads"),
+    "draft_head_sweep_kernel[backward]": Budget(
+        sectors=1.1,
+        why="one read of each plane and one write of dL/ds; the top-k ids are read again by the segments that hold "
+            "one of them"),
+    "draft_head_finish_kernel": Budget(
+        sectors=4.0, why="per row scalar stores of the losses and row sums (latency-bound: R programs)"),
+    "draft_head_hidden_grad_kernel": Budget(
+        sectors=1.2, why="the K + 1 W rows are gathers by id, each a whole row slice"),
     "draft_head_topk_kernel": Budget(
         requested=5.2, sectors=1.02, dram="requested",
-        why="a radix select: one pass over the row per 8-bit digit of the 32-bit keys, then one to collect "
-            "(5 / 1 of the minimum, whatever K is); a row is 1 MB (V = 248,320 fp32) and hundreds are in "
-            "flight, so the re-reads come from HBM; the K keys are written beside the K ids for the final sort, "
-            "each store request at the picked lanes' positions only (a few sectors more than contiguous)"),
-    "draft_head_rows_kernel[backward]": Budget(
-        requested=2.3, dram="requested",
-        why="recomputes the forward's passes (transform + logsumexp; the losses' sums for rkl, jsd, tv) before "
-            "writing dL/ds: 7 / 4 of the minimum (9 / 4 with those losses), re-reads of 1 MB rows, from HBM"),
+        why="a radix select (K above the candidates' 64): one pass over the row per 8-bit digit of the 32-bit "
+            "keys, then one to collect (5 / 1 of the minimum, whatever K is); a row is 1 MB (V = 248,320 fp32) and "
+            "hundreds are in flight, so the re-reads come from HBM; the K keys are written beside the K ids for "
+            "the final sort"),
+    "draft_head_shard_pack_kernel": Budget(
+        unique=1.5, requested=1.6, sectors=4.0,
+        why="the scan hands over up to 2K candidates a segment (the minimum counts K); per row scalar loads and "
+            "stores: the picked ids it stores are read back for their logits (gathers, a sector each)"),
+    "draft_head_shard_merge_kernel": Budget(
+        requested=1.3, sectors=4.0,
+        why="per row: the ranks' packs as [W, KW] tiles, the merged ids stored then read back for this rank's "
+            "logits (gathers, a sector each)"),
+    "draft_head_shard_shares_kernel": Budget(sectors=4.0, why="per row scalar stores of the six shares"),
+    "draft_head_shard_final_kernel": Budget(
+        sectors=4.0, why="per row scalar loads and stores of the shares and the outputs (latency-bound)"),
     "selector_scores_forward_kernel": Budget(
         sectors=1.05,
         why="U at the candidates and the candidates' B rows are gathers (one sector per gathered element)"),
@@ -349,20 +371,135 @@ def rejection_sample(draft_tokens, target_probs, draft_probs, candidate_ids, uni
     })
 
 
-def head_rows_forward(s, t, labels, losses, stats, planes) -> Minimum:
-    """One chunk's row pass: the raw logits s (and t) read once and their transforms z (and
-    t) written over them once; losses, statistics and the gradient planes written once."""
-    total = 2 * nbytes(s) + 2 * nbytes(t) + nbytes(labels) + nbytes(losses) + nbytes(stats) + nbytes(planes)
-    return Minimum(total, {"draft_head_rows_kernel[forward]": total})
+@dataclass(frozen=True)
+class HeadChunk:
+    """One chunk of the draft head's GPU driver: R rows of V logits in the planes' dtype
+    (E bytes an entry), S segments a row, K candidates, L losses (L_planes of them with
+    planes of P bytes an entry), ``key_words`` int64 words a handed-over candidate takes
+    (1 packed, 2 with 64-bit keys), ``logits_bytes`` of logits_dtype."""
+
+    rows: int
+    vocab: int
+    segments: int
+    top_k: int
+    target: bool
+    labels: bool
+    losses: int
+    plane_losses: int = 0
+    plane_bytes: int = 4
+    entry_bytes: int = 4
+    logits_bytes: int = 4
+    key_words: int = 1
+
+    @property
+    def sides(self) -> int:
+        return 1 + int(self.target)
+
+    def planes_read(self) -> int:
+        """s (and t) read once."""
+        return self.rows * self.vocab * self.entry_bytes * self.sides
+
+    def handed_over(self) -> int:
+        """What the scan hands the merge: per (row, segment) the normalisers' partials, the
+        best keys, and the segment's K best candidates (or all its entries) with a count."""
+        per_segment = 16 * self.sides + 16 * int(self.target)
+        if self.top_k:
+            per_segment += 8 * self.key_words * min(self.top_k, -(-self.vocab // self.segments)) + 4
+        else:
+            per_segment += 16  # the draft's best
+        return self.rows * self.segments * per_segment
+
+    def row_outputs(self) -> int:
+        """Per row: ids, z and rounded logits at the top-k, the target's there, the label, its
+        logit twice, the two lse, two argmaxes, the ce loss and the fp64 row statistics."""
+        k, e, lb = self.top_k, self.entry_bytes, self.logits_bytes
+        per_row = k * (8 + e + lb) + 8 + e + lb + 4 + 8 + 40
+        per_row += (k * 4 + 4 + 8) if self.target else 0
+        return self.rows * per_row
 
 
-def head_rows_backward(s, t, labels, grad_losses) -> Minimum:
-    """The backward row pass: s (and t) read once, dL/ds written over s (and t over t) once."""
-    total = 2 * nbytes(s) + 2 * nbytes(t) + nbytes(labels) + nbytes(grad_losses)
-    return Minimum(total, {"draft_head_rows_kernel[backward]": total})
+def head_scan(chunk: HeadChunk) -> int:
+    """draft_head_scan_kernel: s (and t) read once, the hand-over to the merge written once."""
+    return chunk.planes_read() + chunk.handed_over()
 
 
-def head_topk(values, ids) -> Minimum:
-    """The head's top-k of values [R, V]: each value read once, the K ids of each row written once."""
-    total = nbytes(values) + nbytes(ids)
-    return Minimum(total, {"draft_head_topk_kernel": total})
+def head_merge(chunk: HeadChunk) -> int:
+    """draft_head_merge_kernel: the hand-over read, the logits at the top-k ids (both sides)
+    and at the label gathered, the labels read, the row outputs written."""
+    gathers = chunk.rows * (chunk.top_k * chunk.sides + 1) * chunk.entry_bytes
+    return chunk.handed_over() + gathers + 8 * chunk.rows * int(chunk.labels) + chunk.row_outputs()
+
+
+def head_sweep_forward(chunk: HeadChunk) -> int:
+    """draft_head_sweep_kernel in the forward: s (and t) read once, each row's normalisers and
+    label read, the segments' six sums (with a target) and the gradient planes written once."""
+    sums = chunk.rows * chunk.segments * 48 * int(chunk.target)
+    planes = chunk.rows * chunk.plane_losses * chunk.vocab * chunk.plane_bytes
+    return chunk.planes_read() + chunk.rows * (40 + 8) + sums + planes
+
+
+def head_sweep_backward(chunk: HeadChunk) -> int:
+    """draft_head_sweep_kernel in the backward's recompute: s (and t) read once, the row's
+    statistics, label, upstream gradients of the losses, of the top-k (with their ids) and
+    of the label read, the combined dL/ds written once in the planes' dtype."""
+    per_row = 40 + 8 + 4 * chunk.losses + chunk.top_k * (8 + 4) + 4
+    return chunk.planes_read() + chunk.rows * per_row + chunk.rows * chunk.vocab * chunk.plane_bytes
+
+
+def head_finish(rows: int, segments: int, loss_mask: int, target: bool) -> int:
+    """draft_head_finish_kernel: per row the segments' sums it needs (the overlap with a
+    target, each soft loss's, jsd's and tv's gradient sums) and the label read; the losses,
+    the overlap and the row sums of rkl, jsd and tv written."""
+    soft = [bool(loss_mask >> bit & 1) for bit in range(4)]  # kl_div, rkl, jsd, tv
+    columns = int(target) + soft[0] + soft[1] + 2 * soft[2] + soft[3]
+    losses = bin(loss_mask).count("1") - (loss_mask >> 4 & 1)  # ce is the merge's
+    writes = 4 * losses + 4 * int(target) + 8 * (soft[1] + soft[2] + soft[3])
+    return rows * (segments * 8 * columns + 8 + writes)
+
+
+def head_hidden_grad(rows: int, width: int, losses: int, top_k: int, entry_bytes: int, weight_bytes: int,
+                     out_bytes: int) -> int:
+    """draft_head_hidden_grad_kernel: the kept dL_l/dh rows, the upstream gradients, the K + 1
+    W rows the top-k and label logits came from, their ids, logits and gradients read; dh
+    written once."""
+    per_row = losses * (width * entry_bytes + 4) + (top_k + 1) * width * weight_bytes
+    per_row += top_k * (8 + entry_bytes + 4) + 8 + entry_bytes + 4 + width * out_bytes
+    return rows * per_row
+
+
+def head_radix_topk(rows: int, vocab: int, top_k: int, entry_bytes: int) -> int:
+    """draft_head_topk_kernel: the raw logits read once, the K ids and their keys written."""
+    return rows * (vocab * entry_bytes + 16 * top_k)
+
+
+def head_shard_pack(rows: int, segments: int, slots: int, target: bool, entry_bytes: int, key_words: int) -> int:
+    """draft_head_shard_pack_kernel: the scan's hand-over read (as the merge reads it), the
+    logits at this shard's picks and its target best gathered, the pack written."""
+    chunk = HeadChunk(rows, max(segments * slots, 1), max(segments, 1), slots, target, False, 0,
+                      entry_bytes=entry_bytes, key_words=key_words)
+    return chunk.handed_over() + rows * (slots + int(target)) * entry_bytes + rows * (2 * slots + 4) * 8
+
+
+def head_shard_merge(rows: int, world: int, slots: int, top_k: int, target: bool, labels: bool,
+                     entry_bytes: int) -> int:
+    """draft_head_shard_merge_kernel: every rank's pack read, the logits this rank owns at the
+    merged ids and the label gathered, the per-row outputs and the shares' gathered columns
+    written."""
+    gathered = world * rows * (2 * slots + 4) * 8
+    gathers = rows * (top_k * (1 + int(target)) + 1) * entry_bytes
+    outputs = rows * (top_k * 8 + 8 + 4 + 4 + 8 + 8 + 40 + (2 * top_k + 1) * 8)
+    return gathered + gathers + 8 * rows * int(labels) + outputs
+
+
+def head_shard_shares(rows: int, segments: int, top_k: int) -> int:
+    """draft_head_shard_shares_kernel: the segments' sums read, the six shares written."""
+    return rows * (segments * 48 + 48)
+
+
+def head_shard_final(rows: int, losses: int, top_k: int, entry_bytes: int, logits_bytes: int, target: bool) -> int:
+    """draft_head_shard_final_kernel: the summed shares and the label read; losses, overlap,
+    the top-k's and label's logits (twice: E and rounded), the target's at the top-k and the
+    row sums written."""
+    shares = (6 + 2 * top_k + 1) * 8
+    writes = 4 * losses + 4 * int(target) + top_k * (entry_bytes + logits_bytes + 4) + entry_bytes + logits_bytes + 24
+    return rows * (shares + 8 + writes + 8)

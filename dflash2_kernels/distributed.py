@@ -292,19 +292,20 @@ def _register_all() -> None:
                           weight=weight, target_weight=target_weight)
             present = [spec for spec in (hidden, weight, target_hidden, target_weight, labels) if spec is not None]
             planes = hidden_grad_planes and loss_mask > 0
-            replicated = ([R] * 14, [R] * len(present))
+            replicated = ([R] * 15, [R] * len(present))
             if not _rows_sharded(op, hidden=hidden, target_hidden=target_hidden, labels=labels):
                 return _pad([replicated], 7)
             inputs = [S0 if spec is hidden or spec is target_hidden or spec is labels else R for spec in present]
-            # losses [L, N]: Shard(1); per-row results Shard(0); hidden_grads [L, N, H] Shard(1) (or [0]: Replicate).
-            outputs = [S1] + [S0] * 12 + [S1 if planes else R]
+            # losses [L, N]: Shard(1); per-row results Shard(0); hidden_grads [N, L, H] Shard(0) (or [0]:
+            # Replicate); row_stats [N, 5] Shard(0).
+            outputs = [S1] + [S0] * 12 + [S0 if planes else R, S0]
             return _pad([(outputs, inputs), replicated], 7)
 
         def head_backward(grad_losses, grad_topk, grad_label, hidden, weight, target_hidden, target_weight, labels,
-                          topk_ids, topk_z, label_ids, label_z, hidden_grads, loss_mask, top_k, logit_scale, softcap,
-                          logits_dtype, need_hidden, need_weight, tile_rows):
+                          topk_ids, topk_z, label_ids, label_z, hidden_grads, row_stats, loss_mask, top_k,
+                          logit_scale, softcap, logits_dtype, need_hidden, need_weight, tile_rows):
             tensors = (grad_losses, grad_topk, grad_label, hidden, weight, target_hidden, target_weight, labels,
-                       topk_ids, topk_z, label_ids, label_z, hidden_grads)
+                       topk_ids, topk_z, label_ids, label_z, hidden_grads, row_stats)
             present = [spec for spec in tensors if spec is not None]
             replicated = ([R, R], [R] * len(present))
             row_inputs = []
@@ -313,12 +314,12 @@ def _register_all() -> None:
                     continue
                 if spec is weight or spec is target_weight:
                     row_inputs.append(R)
-                elif index == 0 or (index == 12 and spec.ndim == 3):
-                    row_inputs.append(S1)  # grad_losses [L, N], hidden_grads [L, N, H]
-                elif index == 12:
+                elif index == 0:
+                    row_inputs.append(S1)  # grad_losses [L, N]
+                elif index == 12 and spec.ndim != 3:
                     row_inputs.append(R)  # no planes: an empty [0]
                 else:
-                    row_inputs.append(S0)
+                    row_inputs.append(S0)  # hidden_grads [N, L, H], row_stats [N, 5], the per-row tensors
             rows = ([S0 if need_hidden else R, P if need_weight else R], row_inputs)
             return _pad([rows, replicated], 8)
 

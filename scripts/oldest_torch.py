@@ -49,6 +49,8 @@ OP_TESTS = [
     "tests/test_serving.py",
     "tests/test_head.py",
     "tests/test_head_op.py",
+    "tests/test_head_triton.py",
+    "tests/test_head_topk.py",
 ]
 PACKAGES = ["numpy<2", "pytest", "ninja", "setuptools", "wheel"]
 PREPARE_TIMEOUT_S = 40 * 60

@@ -9,6 +9,18 @@ from dflash2_kernels import reference
 GRAD_OUTPUTS = ("losses", "topk_logits", "label_logit")
 
 
+def gpu_driver_runs() -> bool:
+    """Whether the head's GPU driver (its Triton kernels) can run here: on CUDA, or on CPU
+    tensors under Triton's interpreter."""
+    from dflash2_kernels._backend import triton_importable
+
+    if not triton_importable():
+        return False
+    from dflash2_kernels.head.gpu_launch import KERNELS_INTERPRETED
+
+    return KERNELS_INTERPRETED or torch.cuda.is_available()
+
+
 def make_inputs(rows, vocab, width, *, hidden_dtype=torch.float32, weight_dtype=None, target=True, labels="given",
                 lead=None, seed=0, scale=1.0):
     """hidden [*lead or rows, H], weight [V, H], target_hidden like hidden, labels (None,
@@ -29,6 +41,18 @@ def make_inputs(rows, vocab, width, *, hidden_dtype=torch.float32, weight_dtype=
         label_ids = torch.randint(0, vocab, shape, generator=gen)
         label_ids.view(-1)[::4] = reference.IGNORE_INDEX
     return hidden, weight, target_hidden, label_ids
+
+
+def nan_and_inf_inputs():
+    """make_inputs(6, 64, 8) with label 5 everywhere and non-finite rows: a NaN in hidden
+    row 1, +inf in target row 2, hidden row 3 all zero but one +inf."""
+    hidden, weight, target, labels = make_inputs(6, 64, 8, labels="given")
+    labels[:] = 5
+    hidden[1, 2] = float("nan")
+    target[2, 0] = float("inf")
+    hidden[3] = 0.0
+    hidden[3, 0] = float("inf")
+    return hidden, weight, target, labels
 
 
 def exact(hidden, weight, target_hidden, labels, losses, logit_scale=1.0, softcap=None):

@@ -11,8 +11,7 @@ import dflash2_kernels as dk
 from dflash2_kernels import reference
 
 from .contract import assert_within_contract, contract_floor
-from .head_cases import exact, make_inputs, objective, upstream_weights
-from .triton_interpreter import SKIP_REASON as INTERPRETER_SKIP_REASON
+from .head_cases import exact, make_inputs, nan_and_inf_inputs, objective, upstream_weights
 
 ALL = ("kl_div", "rkl", "jsd", "tv", "ce")
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
@@ -192,12 +191,7 @@ def test_draft_head_ties_take_the_lower_id():
 
 
 def test_draft_head_nan_and_inf_rows():
-    hidden, weight, target, labels = make_inputs(6, 64, 8, labels="given")
-    labels[:] = 5
-    hidden[1, 2] = float("nan")
-    target[2, 0] = float("inf")
-    hidden[3] = 0.0
-    hidden[3, 0] = float("inf")
+    hidden, weight, target, labels = nan_and_inf_inputs()
     kwargs = dict(target_hidden=target, labels=labels, losses=ALL, top_k=4)
     ours = dk.draft_head(hidden, weight, **kwargs)
     ref = reference.draft_head(hidden, weight, **kwargs)
@@ -251,27 +245,4 @@ def test_draft_head_training_rows_weight_grad():
     """N = 65,536 rows reduce into dW: the float32 accumulation over row chunks, against float64."""
     case = (65_536, 48, 8, F32, F32, ("kl_div",), 4, 1.0, None, "none", 2.0)
     hidden, weight, kwargs, ours, ref, _ = _run(case, weight_grad=True)
-    _check_case(case, hidden, weight, kwargs, ours, ref)
-
-
-def _interpreted() -> bool:
-    from dflash2_kernels._backend import triton_importable
-
-    if not triton_importable():
-        return False
-    from dflash2_kernels.head.row_launch import KERNELS_INTERPRETED
-
-    return KERNELS_INTERPRETED
-
-
-@pytest.mark.parametrize("weight_grad", [False, True])
-@pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[7], CASES[10]], ids=_case_id)
-def test_draft_head_triton_path_matches_float64(case, weight_grad, monkeypatch, poison_empty):
-    """The CUDA path on CPU tensors (DFLASH2_BACKEND=triton, Triton's interpreter): the
-    Triton row kernels, the ranking by unique int64 keys, the label pre-pass and the
-    top-k and label logits' gradients added outside the kernel."""
-    if not _interpreted():
-        pytest.skip(INTERPRETER_SKIP_REASON)
-    monkeypatch.setenv("DFLASH2_BACKEND", "triton")
-    hidden, weight, kwargs, ours, ref, _ = _run(case, weight_grad=weight_grad)
     _check_case(case, hidden, weight, kwargs, ours, ref)

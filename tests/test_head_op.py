@@ -31,12 +31,13 @@ def test_opcheck_draft_head_backward():
     args = _op_args()
     hidden, weight, target, _, labels, mask, top_k, scale, cap, dtype, planes, tile = args
     out = [o.detach() for o in torch.ops.dflash2.draft_head(*args)]
-    losses, ids, label_ids, topk_z, label_z, hidden_grads = out[0], out[1], out[3], out[11], out[12], out[13]
+    losses, ids, label_ids, topk_z, label_z, hidden_grads, row_stats = (out[0], out[1], out[3], out[11], out[12],
+                                                                        out[13], out[14])
     grads = (torch.randn_like(losses), torch.randn(11, top_k), torch.randn(11))
     for need_weight in (False, True):
         torch.library.opcheck(torch.ops.dflash2.draft_head_backward.default,
                               (*grads, hidden.detach(), weight, target, None, labels, ids, topk_z, label_ids, label_z,
-                               hidden_grads, mask, top_k, scale, cap, dtype, True, need_weight, tile))
+                               hidden_grads, row_stats, mask, top_k, scale, cap, dtype, True, need_weight, tile))
 
 
 @pytest.mark.compiles

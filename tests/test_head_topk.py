@@ -1,6 +1,7 @@
 """The draft head's top-k on both devices' paths: the C++ row kernel's selection
-(csrc/head_row_passes.h's RowTopK, through dflash2::draft_head_rows_cpu) and the Triton
-radix select (dflash2_kernels/head/topk_kernels.py, under the interpreter without a GPU),
+(csrc/head_row_passes.h's RowTopK, through dflash2::draft_head_rows_cpu) and the GPU
+driver's (the scan kernel's candidates and the merge, or the radix select of
+dflash2_kernels/head/topk_kernels.py; under the interpreter without a GPU),
 against a stable sort of the logits rounded to logits_dtype: value descending, NaN first,
 -0 = +0, ties to the lower id, K from 1 to V. The logits are exact in every dtype here
 (no scale, no softcap), so the expected ids are exact too.
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from dflash2_kernels._extension import has_kernel
+
+from .head_cases import gpu_driver_runs
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
@@ -95,59 +98,45 @@ def test_cpu_row_kernel_top_k(case):
     assert torch.equal(values.nan_to_num(), logits.gather(1, expected).nan_to_num())
 
 
-def _interpreted() -> bool:
-    from dflash2_kernels._backend import triton_importable
+def _triton_top_k(logits: torch.Tensor, top_k: int, logits_dtype: torch.dtype) -> torch.Tensor:
+    """dk.draft_head's top-k on its GPU driver over exactly these logits [R, V]: each row as
+    a GEMM of one product (hidden [[1]], weight the row as [V, 1]), so NaN, +-inf and -0
+    pass through unchanged."""
+    import dflash2_kernels as dk
 
-    if not triton_importable():
-        return False
-    from dflash2_kernels.head.topk_launch import KERNELS_INTERPRETED
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    one = torch.ones(1, 1, dtype=logits.dtype, device=device)
+    picks = [dk.draft_head(one, row.unsqueeze(1).to(device), losses=(), top_k=top_k, logits_dtype=logits_dtype)
+             for row in logits]
+    return torch.cat([out.topk_ids.cpu() for out in picks])
 
-    return KERNELS_INTERPRETED or torch.cuda.is_available()
 
-
-# The radix select on small rows (the interpreter runs a program in about a millisecond an
-# operation): every key width (16-bit values read as fp32, fp32, fp64), tiles of 2048
-# (1024 for fp64) crossed, ties at the K-th, specials, K = 1 and K = V.
+# The GPU driver's two ways on small rows (the interpreter runs a program in about a
+# millisecond an operation): the single-read candidates (K <= 64) over segments of 4096
+# (2048 fp64) with ties past what a segment keeps, and the radix select above (16-bit
+# values read as fp32 keys, fp32, fp64); specials, K = 1 and K = V.
 TRITON_CASES = [
-    (2, 1, 1, "random", F32),
-    (3, 9, 9, "specials", F32),
-    (3, 100, 17, "ties", BF16),
-    (2, 100, 5, "specials", F16),
-    (2, 2100, 700, "ties", F32),
-    (2, 1100, 1100, "specials", F64),
-    (2, 1100, 60, "ties", F64),
+    (2, 1, 1, "random", F32, F32),
+    (3, 9, 9, "specials", F32, F32),
+    (3, 100, 17, "ties", BF16, BF16),
+    (2, 100, 5, "specials", F16, F16),
+    (2, 5000, 64, "ties", F32, F32),
+    (2, 9000, 16, "rounding", F32, BF16),
+    (2, 9000, 16, "nans", F32, F32),
+    (2, 4100, 16, "neginf", F32, F32),
+    (2, 2100, 60, "ties", F64, F64),
+    (2, 5000, 65, "random", F32, BF16),
+    (2, 2100, 700, "ties", F32, F32),
+    (2, 1100, 1100, "specials", F64, F64),
 ]
 
 
-@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: f"{c[0]}x{c[1]}-K{c[2]}-{c[3]}-{str(c[4])[6:]}")
-def test_triton_radix_select(case):
-    if not _interpreted():
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)
+def test_triton_top_k(case, monkeypatch):
+    if not gpu_driver_runs():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
-    from dflash2_kernels.head.topk_launch import row_topk_triton
-
-    rows, vocab, top_k, kind, dtype = case
+    monkeypatch.setenv("DFLASH2_BACKEND", "triton")
+    rows, vocab, top_k, kind, dtype, logits_dtype = case
     values = _logits(rows, vocab, kind, dtype, seed=1)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    got = row_topk_triton(values.to(device), top_k).cpu()
-    assert torch.equal(got, _expected(values, top_k, dtype))
-
-
-def test_triton_radix_select_arguments():
-    if not _interpreted():
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA")
-    from dflash2_kernels.head.topk_launch import row_topk_triton
-
-    values = torch.zeros(2, 8)
-    with pytest.raises(TypeError, match="values must be a torch.Tensor"):
-        row_topk_triton(values.tolist(), 2)
-    with pytest.raises(TypeError, match="values must be float16"):
-        row_topk_triton(values.long(), 2)
-    with pytest.raises(ValueError, match="values must be \\[rows, vocab\\]"):
-        row_topk_triton(values[0], 2)
-    with pytest.raises(ValueError, match="top_k must be an int in \\[0, 8\\]"):
-        row_topk_triton(values, 9)
-    with pytest.raises(ValueError, match="top_k"):
-        row_topk_triton(values, True)
-    with pytest.raises(ValueError, match="unit last stride"):
-        row_topk_triton(torch.zeros(2, 16)[:, ::2], 2)
-    assert row_topk_triton(values, 0).shape == (2, 0)
+    assert torch.equal(_triton_top_k(values, top_k, logits_dtype), _expected(values, top_k, logits_dtype))

@@ -39,33 +39,31 @@ CONFIGS = [
     [4800, 300, 2, BF16],
     [1024, 16, 2, ["float64"] * 3],
 ]
-# The draft head's row kernels (dflash2_kernels/head/row_launch.py) on a chunk of 512 rows
-# of V = 248,320: every tile shape (fp32 / fp64, with and without a softcap) with the
-# losses each trainer asks for (speculators: kl_div; NeMo: ce without a target), every
-# loss at once, soft losses without labels or planes, the serving form (no losses), and
-# an unaligned vocabulary.
-HEAD_ROW_CONFIGS = [
-    {"head_rows": dict(dtype=dtype, loss_mask=mask, target=target, labels=labels, softcap=softcap, grads=grads)}
-    for dtype, mask, target, labels, softcap, grads in [
-        ("float32", 0b00001, True, True, False, True),
-        ("float32", 0b11111, True, True, False, True),
-        ("float32", 0b10000, False, True, False, True),
-        ("float32", 0b00000, False, False, False, False),
-        ("float32", 0b01111, True, False, False, False),
-        ("float32", 0b00001, True, True, True, True),
-        ("float32", 0b11111, True, True, True, True),
-        ("float32", 0b10000, False, True, True, True),
-        ("float64", 0b00001, True, True, False, True),
-        ("float64", 0b11111, True, True, False, True),
-        ("float64", 0b11111, True, True, True, True),
+# The draft head's GPU drivers (dflash2_kernels/head/gpu_launch.py) on a chunk of 512 rows of
+# V = 248,320: every plane dtype (fp32, fp64) and gradient-plane dtype (bf16, fp16, fp32,
+# fp64), with and without a softcap, the losses each trainer asks for (speculators: kl_div
+# against a target, logits ranked in bf16; NeMo: ce with labels, no target), every loss at
+# once, the serving form (no losses, K 16), the candidates' limit K = 64, the radix select
+# (K = 65), K = 0, 64-bit keys (fp64 logits), and an unaligned vocabulary.
+HEAD_CONFIGS = [
+    {"head": dict(weight=weight, logits=logits, loss_mask=mask, target=target, labels=labels, softcap=softcap,
+                  top_k=top_k, **extra)}
+    for weight, logits, mask, target, labels, softcap, top_k, extra in [
+        ("bfloat16", "bfloat16", 0b00001, True, False, False, 16, {}),
+        ("bfloat16", "bfloat16", 0b10000, False, True, False, 16, {}),
+        ("bfloat16", "bfloat16", 0b11111, True, True, False, 16, {}),
+        ("bfloat16", "bfloat16", 0b11111, True, True, True, 16, {}),
+        ("bfloat16", "bfloat16", 0b00000, False, False, False, 16, {}),
+        ("float16", "float16", 0b01001, True, True, True, 64, {}),
+        ("float32", "float32", 0b11111, True, True, False, 65, {}),
+        ("float32", "bfloat16", 0b00011, True, False, True, 0, {}),
+        ("float64", "float64", 0b11111, True, True, False, 16, {}),
+        ("float64", "float32", 0b11111, True, True, True, 65, {}),
+        ("bfloat16", "bfloat16", 0b10001, True, True, False, 16, {"vocab": 248_321}),
     ]
-] + [  # a vocabulary that is not a multiple of 16: no aligned vector loads, more registers
-    {"head_rows": dict(dtype="float32", loss_mask=0b11111, target=True, labels=True, softcap=False, grads=True,
-                       vocab=248_321)},
 ]
-# The top-k kernel: 32-bit keys (fp16 / bf16 / fp32 values) and 64-bit ones (fp64).
-HEAD_TOPK_CONFIGS = [{"head_topk": dict(dtype=dtype)} for dtype in ("bfloat16", "float16", "float32", "float64")]
-HEAD_KERNELS = ["forward", "backward", "shard_stats", "shard_shares", "shard_planes", "shard_backward"]
+HEAD_KERNELS = ["scan", "merge", "sweep", "sweep_row_sums", "sweep_backward", "finish", "hidden_grad", "radix_topk",
+                "shard_pack", "shard_merge", "shard_shares", "shard_final", "shard_hidden_grad"]
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]
 
@@ -81,7 +79,7 @@ def usage():
                 for i in range(share)]
     found = {}
     for child in children:
-        out, err = child.communicate(json.dumps(CONFIGS + HEAD_ROW_CONFIGS + HEAD_TOPK_CONFIGS), timeout=900)
+        out, err = child.communicate(json.dumps(CONFIGS + HEAD_CONFIGS), timeout=900)
         assert child.returncode == 0, err[-4000:]
         found.update(json.loads(out))
     return found
@@ -94,21 +92,37 @@ def usage():
 # fp32 rows over 16 warps spill at V 248,321 instead), so the tiles wait for a GPU's
 # measurement. With Triton 3.8 each must still be there (a ptxas that stops spilling
 # fails the test, and the entry goes); every other limit holds for them too.
-def _head(dtype, softcap):
-    """The every-loss head row configuration of ``dtype`` (HEAD_ROW_CONFIGS), as its key."""
-    return json.dumps({"head_rows": dict(dtype=dtype, loss_mask=0b11111, target=True, labels=True, softcap=softcap,
-                                         grads=True)})
+def _head(weight, logits, mask, softcap, top_k, *, target=True, labels=True, **extra):
+    """A HEAD_CONFIGS entry's key."""
+    return json.dumps({"head": dict(weight=weight, logits=logits, loss_mask=mask, target=target, labels=labels,
+                                    softcap=softcap, top_k=top_k, **extra)})
 
 
+_TANH = "a softcap's fp64 tanh: the fp64 division's slow path keeps an 8-byte stack frame"
+_FP64 = "fp64 planes: the fp64 division's slow path keeps an 8-byte stack frame"
+_COLUMN_PREDICATES = ("the column masks' predicates saved to the stack around the K_BLOCK loop of W rows "
+                      "(P2R + STL before, LDL after: 8-16 bytes, once or twice a program)")
 KNOWN_SPILLS = {
     **{(json.dumps([4096, 8, 3, BF16]), "backward", arch): "three taps: 128 registers to fit two blocks, 4 bytes"
        for arch in (86, 89)},
-    (_head("float32", False), "forward", 80): "every loss: 64 registers, 16 bytes of stack",
-    **{(_head("float32", True), "forward", arch): "every loss with a softcap, 16 warps: 64 registers, 8 bytes"
-       for arch in (100, 120)},
-    (_head("float64", True), "shard_stats", 120): "fp64 with a softcap, 16 warps: 40 registers, 8 bytes",
-    **{(json.dumps({"head_topk": dict(dtype=dtype)}), "topk", 120): "16-bit values read as 32-bit keys: 128 registers, "
-       "8 bytes" for dtype in ("bfloat16", "float16")},
+    **{(_head("bfloat16", "bfloat16", 0b11111, True, 16), "scan", arch): _TANH for arch in (86, 89, 90, 100, 120)},
+    **{(_head("float16", "float16", 0b01001, True, 64), "scan", arch): _TANH for arch in (86, 89, 90, 100, 120)},
+    **{(_head("bfloat16", "bfloat16", 0b11111, True, 16), kernel, arch): _TANH
+       for kernel in ("merge",) for arch in (80, 86, 89)},
+    (_head("bfloat16", "bfloat16", 0b11111, True, 16), "shard_pack", 80): _TANH,
+    (_head("float64", "float32", 0b11111, True, 65), "shard_pack", 100): _TANH,
+    **{(key, "hidden_grad", arch): _COLUMN_PREDICATES
+       for key, arch in [(_head("bfloat16", "bfloat16", 0b00001, False, 16, labels=False), 90),
+                         (_head("bfloat16", "bfloat16", 0b10000, False, 16, target=False), 90),
+                         (_head("float64", "float64", 0b11111, False, 16), 86),
+                         (_head("float64", "float64", 0b11111, False, 16), 89),
+                         (_head("float64", "float32", 0b11111, True, 65), 120)]},
+    (_head("float64", "float64", 0b11111, False, 16), "scan", 100): _FP64,
+    (_head("float64", "float64", 0b11111, False, 16), "shard_pack", 120): _FP64,
+    (_head("bfloat16", "bfloat16", 0b11111, False, 16), "sweep_backward", 90):
+        "every loss's gradient at once: 80 registers, 8 bytes",
+    **{(_head("bfloat16", "bfloat16", 0b10001, False, 16, vocab=248_321), "scan", arch):
+       "an unaligned vocabulary: no vector loads, 128 registers and 24 bytes" for arch in (80, 86, 89)},
 }
 MEASURED_TRITON = triton.__version__.startswith("3.8.")
 
@@ -138,22 +152,29 @@ def test_conv_compiles_within_each_architectures_limits(usage, config, kernel, a
     _assert_fits(arch, config, kernel, usage)
 
 
-def _head_row_id(config) -> str:
-    c = config["head_rows"]
-    parts = [c["dtype"], f"mask{c['loss_mask']:05b}", "target" if c["target"] else "notarget",
-             "labels" if c["labels"] else "nolabels", "softcap" if c["softcap"] else "nocap",
-             "grads" if c["grads"] else "nograds"] + ([f"V{c['vocab']}"] if "vocab" in c else [])
+def _head_id(config) -> str:
+    c = config["head"]
+    parts = [f"W{c['weight']}", f"as{c['logits']}", f"mask{c['loss_mask']:05b}",
+             "target" if c["target"] else "notarget", "labels" if c["labels"] else "nolabels",
+             "softcap" if c["softcap"] else "nocap", f"K{c['top_k']}"] + ([f"V{c['vocab']}"] if "vocab" in c else [])
     return "head-" + "-".join(parts)
 
 
+def _launched(config, kernel: str) -> bool:
+    """Whether head_plans makes ``kernel`` for ``config`` (the radix select above K = 64, the
+    row-sum planes' sweep for rkl, jsd, tv)."""
+    c = config["head"]
+    if kernel == "radix_topk":
+        return c["top_k"] > 64
+    if kernel == "sweep_row_sums":
+        return bool(c["loss_mask"] & 0b01110)
+    return True
+
+
+HEAD_PAIRS = [(config, kernel) for config in HEAD_CONFIGS for kernel in HEAD_KERNELS if _launched(config, kernel)]
+
+
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
-@pytest.mark.parametrize("kernel", HEAD_KERNELS)
-@pytest.mark.parametrize("config", HEAD_ROW_CONFIGS, ids=_head_row_id)
-def test_head_rows_compile_within_each_architectures_limits(usage, config, kernel, arch):
+@pytest.mark.parametrize("config,kernel", HEAD_PAIRS, ids=[f"{_head_id(c)}-{k}" for c, k in HEAD_PAIRS])
+def test_head_compiles_within_each_architectures_limits(usage, config, kernel, arch):
     _assert_fits(arch, config, kernel, usage)
-
-
-@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
-@pytest.mark.parametrize("config", HEAD_TOPK_CONFIGS, ids=lambda c: "topk-" + c["head_topk"]["dtype"])
-def test_head_topk_compiles_within_each_architectures_limits(usage, config, arch):
-    _assert_fits(arch, config, "topk", usage)

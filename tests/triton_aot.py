@@ -3,7 +3,7 @@
 Run as ``python -m tests.triton_aot ARCH...`` (compute capabilities as numbers: 80 90 120)
 in a process without ``TRITON_INTERPRET``: under the interpreter even triton.language's
 own helpers (``tl.zeros``) are interpreter objects and cannot be compiled. It reads a
-JSON list of conv and draft head row configurations on stdin and prints, per
+JSON list of conv and draft head configurations on stdin and prints, per
 architecture, configuration and kernel, the resource usage (or the compile error).
 Signatures and divisibility hints come from Triton's own run-time specializer, so what
 compiles here is what the launcher would JIT on the device.
@@ -83,63 +83,98 @@ def conv_plans(hidden: int, group_size: int, taps: int, dtypes: list[str], rows:
     return {"forward": forward, "backward": backward}
 
 
-def head_row_plans(dtype: str, loss_mask: int, target: bool, labels: bool, softcap: bool, grads: bool,
-                   rows: int = 512, vocab: int = 248_320) -> dict:
-    """The draft head's row launches for one configuration: a chunk of ``rows`` rows of the
-    Qwen3.8-27B vocabulary by default. One process: forward, backward; vocab parallel
-    (a shard of it): the statistics pass, the shares pass (with the planes where no loss
-    needs a merged sum), the planes pass and the backward's recompute."""
-    from dflash2_kernels.head import row_launch as rl
+def head_plans(weight: str, logits: str, loss_mask: int, target: bool, labels: bool, softcap: bool, top_k: int,
+               rows: int = 512, vocab: int = 248_320, width: int = 5120) -> dict:
+    """Every launch of the draft head's GPU drivers (gpu_driver.py, shard_gpu.py) for one
+    configuration: a chunk of ``rows`` rows of the Qwen3.8-27B vocabulary by default, a
+    weight of dtype ``weight`` (its planes in the compute dtype, its gradient planes in
+    its own dtype when 16-bit), logits rounded to ``logits`` for the ranking."""
+    from dflash2_kernels.head import gpu_launch as gl
+    from dflash2_kernels.head.gemm import compute_dtype
+    from dflash2_kernels.head.tiles import ROW_STATS, plane_dtype
 
-    plane_dtype = getattr(torch, dtype)
-    losses_n = rl.loss_count(loss_mask)
+    weight_dtype, logits_dtype = getattr(torch, weight), getattr(torch, logits)
+    dtype, planes_dtype = compute_dtype(weight_dtype), plane_dtype(weight_dtype)
+    losses = bin(loss_mask).count("1")
+    cap = 30.0 if softcap else 0.0
+    f64, i64 = torch.float64, torch.int64
 
-    def plane(*shape, dtype=plane_dtype):
+    def meta(*shape, dtype=dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    logits = plane(rows, vocab)
-    target_logits = plane(rows, vocab) if target else None
-    label_ids = plane(rows, dtype=torch.int64) if labels else None
-    cap = 30.0 if softcap else 0.0
-    losses = plane(losses_n, rows)
-    loss_grads = plane(losses_n, rows, vocab) if grads else None
-    common = (logits, target_logits, label_ids, loss_mask, 1.0, cap)
-    local_labels = plane(rows, dtype=torch.int64)
-    shard = (logits, target_logits, local_labels, loss_mask, 1.0, cap)
-    row_stats = plane(rows, 7, dtype=torch.float64)
-    global_sums = loss_mask & 0b01110
-    return {
-        "forward": rl.plan_head_rows(rl.FORWARD, *common, losses=losses, stats=plane(rows, 3),
-                                     loss_grads=loss_grads),
-        "backward": rl.plan_head_rows(rl.BACKWARD, *common, grad_losses=losses),
-        "shard_stats": rl.plan_head_rows(rl.SHARD_STATS, logits, target_logits, None, 0, 1.0, cap,
-                                         shard_out=plane(rows, 2, dtype=torch.float64)),
-        "shard_shares": rl.plan_head_rows(rl.SHARD_ROWS, *shard, shard_out=plane(rows, 6, dtype=torch.float64),
-                                          row_stats=row_stats, loss_grads=None if global_sums else loss_grads,
-                                          shares=True),
-        "shard_planes": rl.plan_head_rows(rl.SHARD_ROWS, *shard, row_stats=row_stats, loss_grads=loss_grads),
-        "shard_backward": rl.plan_head_rows(rl.SHARD_ROWS, *shard, row_stats=row_stats, grad_losses=losses,
-                                            transform=True),
+    s = meta(rows, vocab)
+    t = meta(rows, vocab) if target else None
+    label_ids = meta(rows, dtype=i64)
+    n_segments = gl.segments(vocab, dtype, softcap)
+    mode = 0 if top_k == 0 else (1 if top_k <= gl.MAX_CANDIDATE_K else 2)
+    width_k = max(top_k, 1)
+    cand = [meta(rows, n_segments, gl.candidate_cap(width_k), dtype=i64),
+            meta(rows, n_segments, gl.candidate_cap(width_k), dtype=i64)
+            if gl.candidate_ids_needed(dtype, logits_dtype) else None, meta(rows, n_segments, dtype=torch.int32)]
+    partials, best = meta(rows, n_segments, 4, dtype=f64), meta(rows, n_segments, 4, dtype=i64)
+    outputs = {
+        "losses": meta(losses, rows, dtype=torch.float32), "topk_ids": meta(rows, top_k, dtype=i64),
+        "topk_z": meta(rows, top_k), "topk_logits": meta(rows, top_k, dtype=logits_dtype),
+        "at_topk": meta(rows, top_k, dtype=torch.float32), "label_ids": label_ids, "label_z": meta(rows),
+        "label_logit": meta(rows, dtype=logits_dtype), "draft_lse": meta(rows, dtype=torch.float32),
+        "target_lse": meta(rows, dtype=torch.float32), "draft_argmax": meta(rows, dtype=i64),
+        "target_argmax": meta(rows, dtype=i64), "overlap": meta(rows, dtype=torch.float32),
+        "row_stats": meta(rows, ROW_STATS, dtype=f64), "shares": meta(rows, gl.shares_width(top_k), dtype=f64),
     }
-
-
-def topk_plans(dtype: str, rows: int = 512, vocab: int = 248_320, top_k: int = 16) -> dict:
-    """The draft head's top-k launch over values of ``dtype`` (the logits rounded)."""
-    from dflash2_kernels.head.topk_launch import plan_row_topk
-
-    values = torch.empty(rows, vocab, dtype=getattr(torch, dtype), device="meta")
-    ids = torch.empty(rows, top_k, dtype=torch.int64, device="meta")
-    return {"topk": plan_row_topk(values, top_k, ids, torch.empty_like(ids))}
+    sums = meta(rows, n_segments, gl.SUMS_COLUMNS, dtype=f64)
+    planes = meta(rows, losses, vocab, dtype=planes_dtype)
+    grad_plane = meta(rows, vocab, dtype=planes_dtype)
+    grad_losses = meta(losses, rows, dtype=torch.float32)
+    grad_topk = meta(rows, top_k, dtype=torch.float32)
+    grad_label = meta(rows, dtype=torch.float32)
+    labels_in = meta(rows, dtype=i64) if labels else None
+    given = meta(rows, top_k, dtype=i64) if mode == 2 else None
+    scalars = (1.0, cap)
+    weight_rows = meta(vocab, width, dtype=weight_dtype)
+    send = meta(rows, gl.send_width(width_k), dtype=i64)
+    plans = {
+        "scan": gl.plan_scan(s, t, partials, best, *cand, max(min(top_k, gl.MAX_CANDIDATE_K), 1), *scalars,
+                             logits_dtype, mode == 1),
+        "merge": gl.plan_merge(s, t, partials, best, *cand, given, labels_in, outputs, 0, top_k, *scalars,
+                               logits_dtype, mode, 0 if loss_mask & gl.CE else -1),
+        "sweep": gl.plan_sweep(s, t, outputs["row_stats"], label_ids, sums if target else None, planes, 0, loss_mask,
+                               *scalars, grads=1 if loss_mask & (gl.KL | gl.CE) else 0,
+                               plane_mask=loss_mask & (gl.KL | gl.CE)),
+        "sweep_row_sums": gl.plan_sweep(s, t, outputs["row_stats"], label_ids, None, planes, 0, loss_mask, *scalars,
+                                        grads=1, plane_mask=loss_mask & (gl.RKL | gl.JSD | gl.TV)),
+        "sweep_backward": gl.plan_sweep(s, t, outputs["row_stats"], label_ids, None, grad_plane, 0, loss_mask,
+                                        *scalars, grads=2, grad_losses=grad_losses, topk_ids=outputs["topk_ids"],
+                                        grad_topk=grad_topk, grad_label=grad_label),
+        "finish": gl.plan_finish(sums, label_ids, outputs["losses"], outputs["overlap"], outputs["row_stats"], 0,
+                                 rows, loss_mask, target),
+        "hidden_grad": gl.plan_hidden_grad(meta(rows, width, dtype=weight_dtype), meta(rows, losses, width),
+                                           grad_losses, weight_rows, outputs["topk_ids"], outputs["topk_z"],
+                                           grad_topk, label_ids, outputs["label_z"], grad_label, *scalars),
+        "shard_pack": gl.plan_shard_pack(s, t, partials, best, *cand, given, send, 0, width_k,
+                                         min(width_k, vocab), *scalars, logits_dtype, 1 if mode != 2 else 2),
+        "shard_merge": gl.plan_shard_merge(meta(2, rows, gl.send_width(width_k), dtype=i64), s, t, labels_in, given,
+                                           outputs, 0, 0, 2 * vocab, top_k, *scalars, logits_dtype,
+                                           1 if mode != 2 else 2),
+        "shard_shares": gl.plan_shard_shares(sums, outputs["shares"], 0, rows, top_k),
+        "shard_final": gl.plan_shard_final(outputs, 0, rows, top_k, loss_mask, target, dtype, logits_dtype),
+        "shard_hidden_grad": gl.plan_hidden_grad(meta(rows, width), meta(rows, losses, width), grad_losses,
+                                                 weight_rows, outputs["topk_ids"], outputs["topk_z"], grad_topk,
+                                                 label_ids, outputs["label_z"], grad_label, *scalars, vocab_start=7,
+                                                 shard=True),
+    }
+    if not loss_mask & (gl.RKL | gl.JSD | gl.TV):
+        del plans["sweep_row_sums"]
+    if mode == 2:
+        ids = meta(rows, top_k, dtype=i64)
+        plans["radix_topk"] = gl.plan_radix_topk(s, top_k, ids, torch.empty_like(ids), *scalars, logits_dtype)
+    return plans
 
 
 def plans_of(config) -> dict:
-    """A conv configuration is a list (conv_plans' arguments); a draft head row
-    configuration a dict {"head_rows": head_row_plans' keyword arguments}, a top-k one
-    {"head_topk": topk_plans' keyword arguments}."""
-    if isinstance(config, dict) and "head_topk" in config:
-        return topk_plans(**config["head_topk"])
+    """A conv configuration is a list (conv_plans' arguments); a draft head configuration a
+    dict {"head": head_plans' keyword arguments}."""
     if isinstance(config, dict):
-        return head_row_plans(**config["head_rows"])
+        return head_plans(**config["head"])
     return conv_plans(*config)
 
 

@@ -54,3 +54,16 @@ def interpreter_fault(triton_version: str | None, numpy_version: str | None) -> 
 
 FAULT = interpreter_fault(_version("triton"), _version("numpy"))
 SKIP_REASON = FAULT or "needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)"
+
+
+def _rounds_float_scalars(triton_version: str | None) -> bool:
+    """Triton 3.1's interpreter hands a kernel's float arguments over as Python floats, which
+    its tl ops turn into fp32 constants (an fp64 logit_scale of -1.3 loses its low bits);
+    its compiler honours the kernels' ``tl.float64`` annotations, and Triton 3.8's
+    interpreter keeps them fp64 (seen with torch 2.5.1, Triton 3.1.0)."""
+    release = _release(triton_version)
+    return release is not None and release <= (3, 1)
+
+
+FP64_SCALARS_FAULT = ("Triton's interpreter rounds float scalar arguments to fp32 (Triton 3.1); its compiled kernels "
+                      "and later interpreters do not" if _rounds_float_scalars(_version("triton")) else None)

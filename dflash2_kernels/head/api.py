@@ -11,7 +11,8 @@ from .._extension import has_kernel
 from . import vocab_parallel
 from .checks import check_head_args, loss_count, loss_mask_of, loss_names
 from .gemm import compute_dtype
-from .tiles import keeps_hidden_grads, tile_rows_for
+from .rows import triton_wanted
+from .tiles import gpu_tile_rows, keeps_hidden_grads, tile_rows_for
 
 __all__ = ["DraftHeadOutput", "draft_head"]
 
@@ -54,7 +55,11 @@ def draft_head(
     z = softcap * tanh(logit_scale * h W^T / softcap) (no tanh for softcap None);
     logits_dtype: what the logits are rounded to before top-k / argmax (default hidden's);
     tile_mb: the chunk's working set in MiB (default DFLASH2_HEAD_TILE_MB, else 256 on
-    the CPU, 1024 on CUDA).
+    the CPU; on CUDA a tenth of what the dense head holds, at least 256 MiB and at most a
+    quarter of the free device memory: tiles.gpu_tile_rows).
+
+    Labels are checked on CPU tensors (IndexError); on CUDA, where reading them would cost
+    a host sync, a label outside [0, V) and not -100 makes its row's ce and label_logit NaN.
 
     hidden is taken in weight's dtype and every product accumulated in float32 (float64
     for float64 weights). Returns :class:`DraftHeadOutput` (SPEC section 7): ``losses`` a
@@ -113,12 +118,17 @@ def draft_head(
     vocab = weight.shape[0]
     losses_count = loss_count(loss_mask)
     planes = keeps_hidden_grads(hidden.requires_grad, weight.requires_grad, losses_count, target_hidden is not None)
-    tile_rows = tile_rows_for(vocab, losses_count, target_hidden is not None, planes, compute_dtype(weight.dtype),
-                              tile_mb, hidden.device.type)
+    if triton_wanted(hidden.device):
+        backward = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        tile_rows = gpu_tile_rows(lead.numel(), vocab, losses_count, target_hidden is not None,
+                                  planes, weight.dtype, logits_dtype, tile_mb, hidden.device, width, backward=backward)
+    else:
+        tile_rows = tile_rows_for(vocab, losses_count, target_hidden is not None, planes, compute_dtype(weight.dtype),
+                                  tile_mb)
     flat_target = None if target_hidden is None else target_hidden.reshape(-1, width)
     flat_labels = None if labels is None else labels.reshape(-1)
     (loss_rows, topk_ids, topk_logits, label_ids, label_logit, draft_lse, target_lse, draft_argmax, target_argmax,
-     at_topk, overlap, _topk_z, _label_z, _planes) = torch.ops.dflash2.draft_head(
+     at_topk, overlap, _topk_z, _label_z, _planes, _row_stats) = torch.ops.dflash2.draft_head(
         hidden.reshape(-1, width), weight, flat_target, target_weight, flat_labels, loss_mask, top_k,
         float(logit_scale), 0.0 if softcap is None else float(softcap), logits_dtype, planes, tile_rows)
 

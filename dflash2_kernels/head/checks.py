@@ -62,8 +62,9 @@ def _tensor(name: str, value, *, floats: bool = False) -> torch.Tensor:
 def check_head_args(hidden, weight, target_hidden, target_weight, labels, loss_mask: int, top_k: int,
                     logit_scale: float, softcap: float, logits_dtype) -> None:
     """hidden [..., H], weight [V, H], target_hidden like hidden, target_weight like weight,
-    labels [...] int64 in [0, V) or -100; softcap 0 means none. Value checks on labels
-    read the tensor (a host sync on CUDA), skipped for tensors without data (fake/meta)."""
+    labels [...] int64 in [0, V) or -100; softcap 0 means none. Label values are checked on
+    CPU tensors only: on CUDA a check would cost a host sync, and the kernels make a bad
+    label's row NaN instead of reading outside the row."""
     _tensor("hidden", hidden, floats=True)
     _tensor("weight", weight, floats=True)
     if hidden.dim() < 1:
@@ -120,7 +121,7 @@ def check_head_args(hidden, weight, target_hidden, target_weight, labels, loss_m
     if logits_dtype not in HEAD_FLOATS:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in HEAD_FLOATS)
         raise TypeError(f"logits_dtype must be one of {allowed}, got {logits_dtype!r}.")
-    if labels is not None and labels.numel() and has_data(labels):
+    if labels is not None and labels.numel() and labels.device.type == "cpu" and has_data(labels):
         bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
         if bool(bad.any()):
             value = int(labels[bad][0])

@@ -80,11 +80,11 @@ def add_sparse_grads(grad_hidden: torch.Tensor, sparse: SparseLogits, weight: to
 
 def grads_from_planes(grad_losses: torch.Tensor, hidden_grads: torch.Tensor, sparse: SparseLogits,
                       weight: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """hidden's gradient [N, H] (dtype) from the forward's dL_l/dh planes [L, N, H] (or [0]:
+    """hidden's gradient [N, H] (dtype) from the forward's dL_l/dh planes [N, L, H] (or [0]:
     none) scaled by grad_losses [L, N], plus the sparse terms."""
     grad_hidden = torch.zeros(shape, dtype=dtype, device=weight.device)
     if hidden_grads.numel():
-        grad_hidden += torch.einsum("ln,lnh->nh", grad_losses.to(dtype), hidden_grads)
+        grad_hidden += torch.einsum("ln,nlh->nh", grad_losses.to(dtype), hidden_grads)
     add_sparse_grads(grad_hidden, sparse, weight)
     return grad_hidden
 

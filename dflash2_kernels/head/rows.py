@@ -1,7 +1,7 @@
-"""The draft head's row reduction of one chunk of logits, by device: the C++ ops
-(csrc/head_cpu.cpp, csrc/head_shard_cpu.cpp) on the CPU, the Triton kernels
-(row_launch.py) on CUDA (and on CPU tensors under ``DFLASH2_BACKEND=triton`` with
-``TRITON_INTERPRET=1``).
+"""The draft head's row reduction of one chunk of logits on the CPU: the C++ ops
+(csrc/head_cpu.cpp, csrc/head_shard_cpu.cpp) as the CPU driver (cpu_driver.py) and the
+vocab-parallel CPU path (shard.py) call them, and which device runs the Triton kernels
+instead (:func:`triton_wanted`; gpu_driver.py, shard_gpu.py).
 
 All take raw logits s = h W^T [R, V] in the compute dtype and leave the transformed
 logits z (and t) in their place, and rank each row's rounded logits (top-k, argmaxes)
@@ -67,79 +67,20 @@ def shard_rows_cpu(s, t, labels, loss_mask, logit_scale, softcap, row_stats, tra
                                                        transform, shares, loss_grads, grad_losses)
 
 
-def _triton_wanted(device: torch.device) -> bool:
+def triton_wanted(device: torch.device) -> bool:
+    """Whether the head runs its Triton kernels on ``device``'s tensors: on CUDA, and
+    anywhere under DFLASH2_BACKEND=triton (CPU tensors then need Triton's interpreter)."""
     from .._backend import selected_backend
 
     return selected_backend() == "triton" or device.type == "cuda"
 
 
-def _functions(device: torch.device, triton, cpu, cpu_op: str, what: str):
-    """``triton()`` (the functions on the Triton kernels) on CUDA or under
-    DFLASH2_BACKEND=triton, else ``cpu`` where the C++ op is built."""
-    if _triton_wanted(device):
-        return triton()
-    if device.type == "cpu" and has_kernel(cpu_op, "cpu"):
-        return cpu
-    raise RuntimeError(f"{what} has no kernel for {device.type} tensors in this build (the C++ extension is not "
-                       f"built there).")
-
-
-def row_functions(device: torch.device):
-    """The forward and backward row reductions for tensors on ``device``."""
-    return _functions(device, lambda: (rows_forward_triton, rows_backward_triton),
-                      (rows_forward_cpu, rows_backward_cpu), "draft_head_rows_cpu", "dflash2::draft_head")
-
-
-def _shard_triton():
-    from .row_launch import shard_rows_triton, shard_stats_triton
-
-    return shard_stats_triton, shard_rows_triton
-
-
 def shard_row_functions(device: torch.device):
-    """The vocab-parallel head's stats and rows functions for tensors on ``device``."""
-    return _functions(device, _shard_triton, (shard_stats_cpu, shard_rows_cpu), "draft_head_shard_stats_cpu",
-                      "the vocab-parallel draft head")
-
-
-def _transform(x: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:
-    y = x * logit_scale
-    return softcap * torch.tanh(y / softcap) if softcap > 0 else y
-
-
-def rows_forward_triton(s, t, labels, loss_mask, top_k, logit_scale, softcap, logits_dtype, planes) -> RowsOut:
-    from .row_launch import head_rows_triton
-    from .topk_launch import row_topk_triton
-
-    rows = s.shape[0]
-    target_argmax = torch.zeros(rows, dtype=torch.long, device=s.device)
-    if t is not None:
-        # Before the kernel overwrites t: the label of a ce without labels must be known to it.
-        target_argmax = torch.argmax(_transform(t, logit_scale, softcap).to(logits_dtype), dim=1)
-    if labels is not None:
-        label = labels
-    elif t is not None:
-        label = target_argmax
-    else:
-        label = torch.full((rows,), -1, dtype=torch.long, device=s.device)
-    losses, stats = head_rows_triton(s, t, label, loss_mask, logit_scale, softcap, planes)
-    # Rounding to a dtype at least as wide as the planes' changes nothing.
-    rounded = s if logits_dtype.itemsize >= s.dtype.itemsize else s.to(logits_dtype)
-    topk_ids = row_topk_triton(rounded, top_k)
-    draft_argmax = topk_ids[:, 0] if top_k else torch.argmax(rounded, dim=1)
-    safe = torch.where(label < 0, 0, label)
-    return RowsOut(losses, stats[:, 0], stats[:, 1], stats[:, 2], draft_argmax, target_argmax,
-                   topk_ids, s.gather(1, topk_ids), t.gather(1, topk_ids) if t is not None else
-                   torch.zeros_like(s[:, :top_k]), label, s.gather(1, safe.unsqueeze(1)).squeeze(1))
-
-
-def rows_backward_triton(s, t, labels, loss_mask, logit_scale, softcap, logits_dtype, grad_losses) -> None:
-    from .row_launch import head_rows_backward_triton
-
-    label = labels
-    if label is None and t is not None:
-        label = torch.argmax(_transform(t, logit_scale, softcap).to(logits_dtype), dim=1)
-    head_rows_backward_triton(s, t, label, loss_mask, logit_scale, softcap, grad_losses)
+    """The vocab-parallel head's CPU stats and rows functions (the C++ ops)."""
+    if device.type == "cpu" and has_kernel("draft_head_shard_stats_cpu", "cpu"):
+        return shard_stats_cpu, shard_rows_cpu
+    raise RuntimeError(f"the vocab-parallel draft head has no CPU kernel for {device.type} tensors in this build "
+                       f"(the C++ extension is not built there).")
 
 
 def logit_slope(z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:

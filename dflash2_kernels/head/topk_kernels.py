@@ -1,12 +1,14 @@
 """Triton kernel of the draft head's top-k (SPEC section 7). Kernels only.
 
-One program owns one row of values [R, V] (the logits rounded to logits_dtype) and picks
-the ids of its K largest, ties to the lower id, NaN above everything: a radix select, so
-that the cost is a fixed number of passes over the row whatever K is (csrc/head_row_passes.h's
-RowTopK is the CPU's answer to the same problem):
+The head's top-k for K above what the single-read candidates of scan_kernels.py cover
+(K > 64). One program owns one row of raw logits s [R, V] and picks the ids of its K
+largest logits after the transform and the rounding to logits_dtype, ties to the lower
+id, NaN above everything: a radix select, so that the cost is a fixed number of passes
+over the row whatever K is (csrc/head_row_passes.h's RowTopK is the CPU's answer):
 
-  1. each value becomes an integer key in the value order (KEY_BITS 32 for 16- and 32-bit
-     values read as fp32, 64 for fp64; -0 as +0, every NaN the largest key);
+  1. each logit, transformed and rounded as every pass does (kernel_math), becomes an
+     integer key in the value order (KEY_BITS 32 for values exact in fp32, 64 for fp64;
+     -0 as +0, every NaN the largest key);
   2. one pass per 8-bit digit, most significant first: a 256-bin histogram of the digit
      over the keys that match the digits chosen so far, then the digit of the K-th largest
      key and how many keys above it are already in (KEY_BITS / 8 passes in all);
@@ -20,20 +22,7 @@ The K ids come out in id order with their keys; the launcher sorts those [R, K] 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _key(x, KEY_BITS: tl.constexpr):
-    """Order-preserving int64 keys of values x (fp32 for KEY_BITS 32: [0, 2^32); fp64 for 64:
-    the signed int64 order), -0 as +0, NaN the largest."""
-    x = tl.where(x == 0, 0.0, x)  # -0 == 0: +0
-    if KEY_BITS == 32:
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.where(bits < 0, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
-        return tl.where(x != x, 0xFFFFFFFF, key)
-    else:
-        bits = x.to(tl.float64).to(tl.int64, bitcast=True)
-        key = bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
-        return tl.where(x != x, 0x7FFFFFFFFFFFFFFF, key)
+from .kernel_math import order_key, rounded, transformed
 
 
 @triton.jit
@@ -47,17 +36,23 @@ def _digits(key, KEY_BITS: tl.constexpr):
 
 @triton.jit
 def draft_head_topk_kernel(
-    values_ptr,  # [R, V] at stride_values_row, unit vocab stride: the rounded logits
+    values_ptr,  # [R, V] at stride_values_row, unit vocab stride: raw logits s (E)
     ids_ptr,  # [R, K] int64 at stride_out_row: the picked ids, in id order
     keys_ptr,  # [R, K] int64 at stride_out_row: their keys (_key)
     vocab,
     top_k,  # 1 <= top_k <= vocab
     stride_values_row,
     stride_out_row,
+    logit_scale: tl.float64,
+    softcap: tl.float64,
+    inv_softcap: tl.float64,
+    HAS_SOFTCAP: tl.constexpr,
+    ROUND: tl.constexpr,  # kernel_math ROUND_* for logits_dtype
     KEY_BITS: tl.constexpr,  # 32 or 64
     BLOCK_V: tl.constexpr,
 ):
     """One row per program: its top_k ids by value (the module docstring)."""
+    E: tl.constexpr = values_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     row_ptr = values_ptr + row * stride_values_row
     bins = tl.arange(0, 256)
@@ -70,7 +65,9 @@ def draft_head_topk_kernel(
         for start in range(0, vocab, BLOCK_V):
             offsets = start + tl.arange(0, BLOCK_V)
             in_row = offsets < vocab
-            digits = _digits(_key(tl.load(row_ptr + offsets, mask=in_row, other=0.0), KEY_BITS), KEY_BITS)
+            raw = tl.load(row_ptr + offsets, mask=in_row, other=0.0)
+            z = rounded(transformed(raw, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP), ROUND)
+            digits = _digits(order_key(z, KEY_BITS), KEY_BITS)
             match = in_row & ((digits & known) == prefix)
             # Keys off the prefix (and past the row) counted in bin 0, then taken out of it:
             # Triton 3.1 (torch 2.5's) has no mask argument to tl.histogram.
@@ -91,7 +88,8 @@ def draft_head_topk_kernel(
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         in_row = offsets < vocab
-        key = _key(tl.load(row_ptr + offsets, mask=in_row, other=0.0), KEY_BITS)
+        raw = tl.load(row_ptr + offsets, mask=in_row, other=0.0)
+        key = order_key(rounded(transformed(raw, logit_scale, softcap, inv_softcap, E, HAS_SOFTCAP), ROUND), KEY_BITS)
         equal = in_row & (key == kth)
         equal_before = equal_seen + tl.cumsum(equal.to(tl.int64), axis=0) - equal.to(tl.int64)
         picked = in_row & ((key > kth) | (equal & (equal_before < remaining)))

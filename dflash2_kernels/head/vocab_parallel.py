@@ -4,7 +4,8 @@ rows [V_local, H] of the lm_head, at vocabulary offset ``vocab_start`` of a proc
 every rank returns what one process's :func:`dflash2_kernels.draft_head` returns.
 
 This module resolves the shard (its rows, offset and group), checks the arguments (the
-same on every rank, and agreed across the ranks with one small all_gather, so that a bad
+same on every rank, and agreed across the ranks with one small exchange through the process
+group's store, host to host, so that a bad
 argument raises on every rank instead of leaving the others waiting in a collective) and
 hands the work to shard.py: each rank reduces its own [R, V_local] tiles with the fused
 row kernels, and the ranks merge per-row statistics, never the [R, V] row.
@@ -27,7 +28,8 @@ import torch.distributed as dist
 
 from . import gemm
 from .checks import HEAD_FLOATS, check_head_args
-from .shard import ShardPlan, all_gather_ranks, all_reduce_sum, shard_head
+from .shard import shard_head
+from .shard_common import ShardPlan, all_gather_ranks, all_reduce_sum
 
 __all__ = ["VocabShard", "draft_head", "logits_at_ids", "resolve", "wanted"]
 
@@ -221,10 +223,46 @@ def _local_checks(shard: VocabShard, hidden, target_hidden, labels) -> None:
                          f"on one device.")
 
 
+# Exchanges made so far per process group: every rank makes the same calls, so the n-th
+# exchange of a group has the same keys on every rank.
+_EXCHANGES: dict = {}
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # no default group, or a torch without it
+        return None
+
+
+def _exchange(values: list[int], group, device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (ints, the same count on every rank), in group rank order.
+
+    Through the default group's store where there is one: host to host, so no device work
+    is issued and nothing waits for the GPU's queue (an all_gather of a device tensor read
+    back on the host would drain it every call). A rank deletes its key of two exchanges
+    ago: by the time it writes exchange n, every rank has written n - 1, so every rank has
+    read n - 2. Without a store: an all_gather of the values on ``device``."""
+    store = _default_store()
+    if store is None:
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        return all_gather_ranks(mine, group).cpu().tolist()
+    name = getattr(group, "group_name", None) or "default"
+    index = _EXCHANGES.get(name, 0)
+    _EXCHANGES[name] = index + 1
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    prefix = f"dflash2/draft_head/{name}"
+    store.set(f"{prefix}/{index}/{rank}", ",".join(str(int(v)) for v in values))
+    table = [[int(v) for v in store.get(f"{prefix}/{index}/{r}").decode().split(",")] for r in range(world)]
+    if index >= 2:
+        store.delete_key(f"{prefix}/{index - 2}/{rank}")
+    return table
+
+
 def _agreed(shard: VocabShard, hidden, target_hidden, labels, loss_mask, top_k, logits_dtype, needs_weight,
             needs_hidden, error) -> tuple[list[int], list[int]]:
-    """One all_gather of each rank's offset, size and settings: ([starts], [sizes]) in rank
-    order, after checking that the ranks agree and the shards tile [0, V)."""
+    """One exchange of each rank's offset, size and settings (:func:`_exchange`): ([starts],
+    [sizes]) in rank order, after checking that the ranks agree and the shards tile [0, V)."""
     ok = error is None
     weight = shard.weight if isinstance(shard.weight, torch.Tensor) else None
     device = weight.device if weight is not None else torch.device("cpu")
@@ -238,8 +276,7 @@ def _agreed(shard: VocabShard, hidden, target_hidden, labels, loss_mask, top_k, 
         "weight.dtype": _code(weight.dtype) if weight is not None else -1,
         "vocab": shard.global_vocab if shard.global_vocab is not None else -1,
     }
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
-    table = all_gather_ranks(mine, shard.group).cpu().tolist()
+    table = _exchange(list(fields.values()), shard.group, device)
     if error is not None:
         raise error
     names = list(fields)

@@ -33,7 +33,9 @@ import dflash2_kernels as dk
 from dflash2_kernels import reference
 
 from ..head_cases import exact, make_inputs, objective, upstream_weights
+from ..triton_interpreter import FAULT as INTERPRETER_FAULT
 from .case import Agrees, Call, Case
+from .conv import backend
 from .draw import FLOATS, NON_FLOATS, Draw
 from .judges import assert_contract, assert_equal
 from .mutations import (
@@ -59,6 +61,8 @@ SCALES = (1.0, 1.0, 1.0, 0.5, 1.7, -1.3, -1.0, 4.0)
 SOFTCAPS = (0.5, 2.0, 3.0, 30.0)
 TILE_MBS = (None, None, None, 1e-4, 0.003, 0.02, 0.5)
 HEAD_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_FRACTION = 0.15  # valid cases run on the GPU driver (Triton's interpreter without a GPU)
+MAX_TRITON_ENTRIES = 6000  # rows x V of such a case: the interpreter takes ~1 ms a program
 NOT_HEAD_DTYPES = NON_FLOATS  # integers, bool, complex, 8-bit floats: no logits_dtype
 
 
@@ -68,6 +72,25 @@ def _mask(names) -> int:
 
 def _names_of(mask: int) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(LOSSES) if mask >> i & 1)
+
+
+def draw_triton(draw: Draw, setup) -> bool:
+    """Whether a valid case runs on the GPU driver: a few small ones, where Triton can run
+    (CUDA, or an interpreter not known to be wrong: tests/triton_interpreter.py)."""
+    small = setup.rows * setup.vocab <= MAX_TRITON_ENTRIES
+    usable = torch.cuda.is_available() or not INTERPRETER_FAULT
+    return small and usable and _triton_importable() and draw.chance(TRITON_FRACTION)
+
+
+def _triton_importable() -> bool:
+    from dflash2_kernels._backend import triton_importable
+
+    return triton_importable()
+
+
+def on_driver(triton: bool):
+    """The case's backend: the GPU driver's Triton kernels, or the default (the CPU's)."""
+    return backend("triton") if triton else contextlib.nullcontext()
 
 
 def _compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
@@ -497,11 +520,12 @@ def draft_head_case(draw: Draw) -> Case:
     mode = "none" if setup.kind == "nan" else draw.pick(GRAD_MODES)
     wanted = [name for name in ("hidden", "weight") if name in mode]
     seed = draw.integer(0, 2**31)
+    triton = draw_triton(draw, setup)
 
     def run():
         leaves = {"hidden": setup.hidden.detach().requires_grad_("hidden" in wanted),
                   "weight": setup.weight.detach().requires_grad_("weight" in wanted)}
-        with poisoned_empty(), (torch.no_grad() if mode == "no_grad" else contextlib.nullcontext()):
+        with poisoned_empty(), on_driver(triton), (torch.no_grad() if mode == "no_grad" else contextlib.nullcontext()):
             out = dk.draft_head(leaves["hidden"], leaves["weight"], **kwargs)
             grads = {}
             if wanted:
@@ -524,7 +548,8 @@ def draft_head_case(draw: Draw) -> Case:
             judge_grads(setup, grads, seen["ids"], seen["labels"], seen["safe"],
                         upstream_weights(out, setup.top_k, seed))
 
-    return Case(f"valid ({setup.kind}, gradients: {mode})", run, Agrees(judge), call.args)
+    driver = ", triton" if triton else ""
+    return Case(f"valid ({setup.kind}, gradients: {mode}{driver})", run, Agrees(judge), call.args)
 
 
 def _out_of_range_labels(draw: Draw, labels: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -649,14 +674,15 @@ def _draw_tile_rows(draw: Draw, rows: int) -> int:
 
 
 OP_OUTPUTS = ("losses", "topk_ids", "topk_logits", "label_ids", "label_logit", "draft_lse", "target_lse",
-              "draft_argmax", "target_argmax", "at_topk", "overlap", "topk_z", "label_z", "hidden_grads")
+              "draft_argmax", "target_argmax", "at_topk", "overlap", "topk_z", "label_z", "hidden_grads", "row_stats")
+ROW_STATS = 5
 
 
 def _judge_op_outputs(setup: Setup, result, planes: bool) -> dict:
-    """dflash2::draft_head's 14 outputs: shapes and dtypes, the public fields as the public
+    """dflash2::draft_head's 15 outputs: shapes and dtypes, the public fields as the public
     function's, the target-side ones 0 without a target, the raw z at the ids and the label,
-    and the per-loss dL/dh planes against float64 when asked for."""
-    assert isinstance(result, (tuple, list)) and len(result) == len(OP_OUTPUTS), f"expected 14 outputs: {result!r}"
+    the per-loss dL/dh planes against float64 when asked for, the row statistics' lse."""
+    assert isinstance(result, (tuple, list)) and len(result) == len(OP_OUTPUTS), f"expected 15 outputs: {result!r}"
     out = dict(zip(OP_OUTPUTS, result))
     rows, k, width, cd = setup.rows, setup.top_k, setup.width, setup.compute
     count = len(setup.losses)
@@ -665,7 +691,8 @@ def _judge_op_outputs(setup: Setup, result, planes: bool) -> dict:
                   label_ids=((rows,), i64), label_logit=((rows,), setup.logits_dtype), draft_lse=((rows,), f32),
                   target_lse=((rows,), f32), draft_argmax=((rows,), i64), target_argmax=((rows,), i64),
                   at_topk=((rows, k), f32), overlap=((rows,), f32), topk_z=((rows, k), cd), label_z=((rows,), cd),
-                  hidden_grads=((count, rows, width) if planes and count else (0,), cd))
+                  hidden_grads=((rows, count, width) if planes and count else (0,), cd),
+                  row_stats=((rows, ROW_STATS), torch.float64))
     for name, (shape, dtype) in shapes.items():
         value = out[name]
         assert isinstance(value, torch.Tensor) and tuple(value.shape) == shape and value.dtype == dtype, \
@@ -701,7 +728,11 @@ def _judge_op_outputs(setup: Setup, result, planes: bool) -> dict:
         for i, name in enumerate(names):
             (in_dtype,) = torch.autograd.grad(ref.losses[name].sum(), leaf, retain_graph=True)
             (exact_grad,) = torch.autograd.grad(truth["losses"][name].sum(), truth["hidden"], retain_graph=True)
-            assert_contract(f"hidden_grads[{name!r}]", out["hidden_grads"][i], in_dtype.to(cd), exact_grad)
+            assert_contract(f"hidden_grads[{name!r}]", out["hidden_grads"][:, i], in_dtype.to(cd), exact_grad)
+    # The row statistics' normalisers: the lse the fp32 outputs round.
+    assert_equal("row_stats' lse(z)", out["row_stats"][:, 0].float(), out["draft_lse"])
+    if has_target:
+        assert_equal("row_stats' lse(t)", out["row_stats"][:, 1].float(), out["target_lse"])
     return seen
 
 
@@ -714,12 +745,14 @@ def draft_head_op_case(draw: Draw) -> Case:
     call = Call(torch.ops.dflash2.draft_head, args)
     if draw.chance(BAD_FRACTION):
         return bad_case(draw, call, op_mutations(draw, setup, args))
+    triton = draw_triton(draw, setup)
 
     def run():
-        with poisoned_empty():
+        with poisoned_empty(), on_driver(triton):
             return call()
 
-    return Case(f"valid ({setup.kind}, planes={planes})", run,
+    driver = ", triton" if triton else ""
+    return Case(f"valid ({setup.kind}, planes={planes}{driver})", run,
                 Agrees(lambda result: _judge_op_outputs(setup, result, planes)), call.args)
 
 
@@ -802,19 +835,22 @@ def _bool_refused(argument: str) -> Mutation:
     return Mutation("a string for a bool", argument, "yes", (argument,), True)
 
 
-BACKWARD_INPUTS = ("topk_ids", "topk_z", "label_ids", "label_z", "hidden_grads")
+BACKWARD_INPUTS = ("topk_ids", "topk_z", "label_ids", "label_z", "hidden_grads", "row_stats")
 
 
 def draft_head_backward_op_case(draw: Draw) -> Case:
     """dflash2::draft_head_backward(grad_losses [L, N], grad_topk [N, K], grad_label [N],
     hidden, weight, target_hidden, target_weight, labels, topk_ids, topk_z, label_ids,
-    label_z, hidden_grads, loss_mask, top_k, logit_scale, softcap, logits_dtype,
+    label_z, hidden_grads, row_stats, loss_mask, top_k, logit_scale, softcap, logits_dtype,
     need_hidden, need_weight, tile_rows) -> (grad_hidden, grad_weight), judged as the
-    gradients of sum_l g_l . loss_l + g_topk . topk_logits + g_label . label_logit."""
+    gradients of sum_l g_l . loss_l + g_topk . topk_logits + g_label . label_logit; forward
+    and backward on the same driver (the row statistics are the GPU driver's)."""
     setup = draw_setup(draw, flat=True, special=False)
     planes = draw.chance(0.6)
     forward_args = _op_args(setup, planes, _draw_tile_rows(draw, setup.rows))
-    forward = dict(zip(OP_OUTPUTS, torch.ops.dflash2.draft_head(**forward_args)))
+    triton = draw_triton(draw, setup)
+    with on_driver(triton):
+        forward = dict(zip(OP_OUTPUTS, torch.ops.dflash2.draft_head(**forward_args)))
     rows, k, count = setup.rows, setup.top_k, len(setup.losses)
     grad_dtype = draw.pick([torch.float32, torch.float32, torch.float64, torch.bfloat16])
     grads = {"grad_losses": draw.layout(draw.randn((count, rows), grad_dtype)),
@@ -832,7 +868,7 @@ def draft_head_backward_op_case(draw: Draw) -> Case:
         return bad_case(draw, call, backward_mutations(draw, setup, args, forward))
 
     def run():
-        with poisoned_empty():
+        with poisoned_empty(), on_driver(triton):
             return call()
 
     def judge(result) -> None:
@@ -853,7 +889,8 @@ def draft_head_backward_op_case(draw: Draw) -> Case:
                                                        ("weight", need_weight, result[1])) if needed}
         judge_grads(setup, wanted, forward["topk_ids"], labels, safe, weights)
 
-    return Case(f"valid (planes={planes}, need_hidden={need_hidden}, need_weight={need_weight})", run,
+    driver = ", triton" if triton else ""
+    return Case(f"valid (planes={planes}, need_hidden={need_hidden}, need_weight={need_weight}{driver})", run,
                 Agrees(judge), call.args)
 
 
@@ -862,7 +899,8 @@ def backward_mutations(draw: Draw, setup: Setup, args: dict, forward: dict) -> l
     mutations = _tensor_mutations(draw, setup) + _scalar_mutations(draw, setup, args)
     for name in ("grad_losses", "grad_topk", "grad_label"):
         tensor = args[name]
-        mutations += float_tensor_mutations(draw, name, tensor)
+        # None is an upstream gradient nothing produced (autograd's, for an unused output): valid.
+        mutations += [m for m in float_tensor_mutations(draw, name, tensor) if m.label != "None for a tensor"]
         mutations.append(Mutation("a dim off by one", name, with_dim_resized(draw, tensor, tensor.dim() - 1),
                                   (name,)))
         mutations.append(Mutation("an extra dim", name, with_extra_dim(draw, tensor), (name,)))
@@ -880,8 +918,13 @@ def backward_mutations(draw: Draw, setup: Setup, args: dict, forward: dict) -> l
     ]
     count = len(setup.losses)
     if count and rows:
-        planes = torch.zeros((count, rows, setup.width + 1), dtype=setup.compute)
+        planes = torch.zeros((rows, count, setup.width + 1), dtype=setup.compute)
         mutations.append(Mutation("planes of the wrong width", "hidden_grads", planes, ("hidden_grads",)))
+    mutations += [
+        Mutation("not float64", "row_stats", args["row_stats"].float(), ("row_stats",)),
+        Mutation("rows off by one", "row_stats", with_dim_resized(draw, args["row_stats"], 0), ("row_stats",)),
+        Mutation("None for a tensor", "row_stats", None, ("row_stats",)),
+    ]
     if rows and k:
         bad = args["topk_ids"].clone()
         bad[draw.integer(0, rows - 1), draw.integer(0, k - 1)] = draw.pick([setup.vocab, -1, 2**40])
