@@ -467,32 +467,28 @@ def main() -> None:
               flush=True)
     print()
     print_table(records)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-    if args.save:
-        Path(args.save).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.doc:
-        write_doc(Path(args.doc), markdown(records, env))
+    calls = []
     if not args.only:
         # The whole calls beside the kernels: every public op on fake CUDA tensors (launches,
-        # syncs, bytes over planes, GEMM FLOPs, peak; benchmarks/whole_call.py), its records
-        # next to the kernels' (docs/results/whole_call.jsonl with --save).
+        # syncs, bytes over planes, GEMM FLOPs, peak; benchmarks/whole_call.py), counted
+        # before anything is written (the records name a clean commit).
         import whole_call
 
         print()
         calls = whole_call.model_rows()
-        if args.out:
-            with open(args.out, "a") as f:
-                for r in calls:
-                    f.write(json.dumps(r) + "\n")
-        if args.save:
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            for r in records + calls:
+                f.write(json.dumps(r) + "\n")
+    if args.save:
+        Path(args.save).write_text("".join(json.dumps(r) + "\n" for r in records))
+        if calls:
             Path(args.save).with_name("whole_call.jsonl").write_text("".join(json.dumps(r) + "\n" for r in calls))
-        if args.doc:
-            whole_call.write_doc(Path(args.doc), whole_call.markdown(calls))
-
+    if args.doc:
+        write_doc(Path(args.doc), markdown(records, env))
+        if calls:
+            whole_call.write_tables(Path(args.doc), calls)
 
 if __name__ == "__main__":
     main()

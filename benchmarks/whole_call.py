@@ -38,6 +38,8 @@ import torch.nn.functional as F  # noqa: E402
 from fake_cuda import HOST_LAUNCH_S, HOST_SYNC_S, CallCount, CallCounter, FakeCuda  # noqa: E402
 
 DOC_MARKER = "<!-- table: whole_call -->"
+HEAD_DOC_MARKER = "<!-- table: whole_call_head -->"
+DOC_END = "<!-- end table -->"
 
 # SPEC section 5: Qwen3.8-27B-DFlash2 at speculators' training step (512 anchors x block 8).
 ROWS, HIDDEN, VOCAB, RANK, TOP_K = 4096, 5120, 248_320, 256, 16
@@ -365,7 +367,10 @@ def markdown(rows: list[dict]) -> str:
     by_scenario: dict = {}
     for r in rows:
         by_scenario.setdefault(r["scenario"], []).append(r)
-    lines = ["| call | " + " | ".join(name for name, _ in _COLUMNS) + " |", "|---" * (len(_COLUMNS) + 1) + "|"]
+    first = rows[0]
+    lines = [f"**A model, not a measurement**: counted on {first.get('device', '?')} at commit "
+             f"`{first.get('commit', '?')}`, {first.get('date', '?')[:10]}, torch {first.get('torch', '?')}.", "",
+             "| call | " + " | ".join(name for name, _ in _COLUMNS) + " |", "|---" * (len(_COLUMNS) + 1) + "|"]
     for name, directions in by_scenario.items():
         cells = [" · ".join(cell(r) for r in directions) for _, cell in _COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -389,16 +394,46 @@ def print_table(rows: list[dict]) -> None:
                   f"{', '.join(r['unmodelled'])}")
 
 
-def write_doc(path: Path, table: str) -> None:
-    """Replace the table after DOC_MARKER (up to the first blank line) with ``table``."""
-    lines = path.read_text().split("\n")
-    if DOC_MARKER not in lines:
-        raise SystemExit(f"{path}: no line {DOC_MARKER!r} to put the table after")
-    start = lines.index(DOC_MARKER) + 1
-    end = start
-    while end < len(lines) and lines[end].strip():
-        end += 1
-    path.write_text("\n".join(lines[:start] + table.split("\n") + lines[end:]))
+def head_markdown(rows: list[dict]) -> str:
+    """The fused head against the dense head it replaces, forward + backward summed: the
+    model's H200 ms, the GEMM floor (the dense head's GEMM FLOPs at the bf16 GEMM rate the
+    model uses), floor / ours (the GPU target: >= 0.8), peak MiB."""
+    from traffic_minimum import MATMUL_FLOPS_PER_S
+
+    by_scenario: dict = {}
+    for r in rows:
+        by_scenario.setdefault(r["scenario"], []).append(r)
+    lines = ["| call | ours ms | dense ms | GEMM floor ms | floor / ours | floor / dense | peak MiB ours / dense |",
+             "|---|---|---|---|---|---|---|"]
+    for name in HEAD_SCENARIOS:
+        dense_name = SCENARIOS[name].dense
+        if name not in by_scenario or dense_name not in by_scenario or "serving" in name:
+            continue
+        ours, dense = by_scenario[name], by_scenario[dense_name]
+        ours_ms = sum(r["h200_device_ms"] for r in ours)
+        dense_ms = sum(r["h200_device_ms"] for r in dense)
+        floor_ms = sum(r["gemm_tflop"] for r in dense) * 1e12 / MATMUL_FLOPS_PER_S[BF16] * 1e3
+        ours_peak, dense_peak = (max(r["peak_mib"] for r in side) for side in (ours, dense))
+        lines.append(f"| {name} | {_ms(ours_ms)} | {_ms(dense_ms)} | {_ms(floor_ms)} | {floor_ms / ours_ms:.2f} | "
+                     f"{floor_ms / dense_ms:.2f} | {ours_peak:,.0f} / {dense_peak:,.0f} |")
+    return "\n".join(lines)
+
+
+def write_doc(path: Path, table: str, marker: str = DOC_MARKER) -> None:
+    """Replace the block between ``marker`` and DOC_END in ``path`` with ``table``."""
+    text = path.read_text()
+    if marker not in text:
+        raise SystemExit(f"{path}: no line {marker!r} to put the table after")
+    head, rest = text.split(marker, 1)
+    if DOC_END not in rest:
+        raise SystemExit(f"{path}: no line {DOC_END!r} after {marker!r}")
+    path.write_text(f"{head}{marker}\n{table}\n{DOC_END}{rest.split(DOC_END, 1)[1]}")
+
+
+def write_tables(path: Path, rows: list[dict]) -> None:
+    """Both tables into ``path``: every call, and the head against the dense head."""
+    write_doc(path, markdown(rows))
+    write_doc(path, head_markdown(rows), HEAD_DOC_MARKER)
 
 
 def main() -> None:
@@ -412,7 +447,7 @@ def main() -> None:
     if args.save:
         Path(args.save).write_text("".join(json.dumps(r) + "\n" for r in rows))
     if args.doc:
-        write_doc(Path(args.doc), markdown(rows))
+        write_tables(Path(args.doc), rows)
 
 
 def model_rows(only: str | None = None) -> list[dict]:

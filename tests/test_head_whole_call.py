@@ -9,7 +9,8 @@ backward; each plane read at most twice by the row kernels (the scan: normaliser
 candidates; the sweep: sums and gradients), except the third read tv's gradient needs
 for its row sum; GEMM FLOPs equal to the dense head's forward + backward for the
 trainers' defaults and one dh product more per further loss with a gradient; peak memory
-within a tenth of the dense head's. And the vocab-parallel shard by the same rules.
+within a tenth of the dense head's (with a trainable lm_head: beyond dW itself). And the
+vocab-parallel shard by the same rules.
 """
 
 from __future__ import annotations
@@ -110,6 +111,35 @@ def test_peak_memory_is_a_tenth_of_the_dense_heads(counted, name):
     ours_peak = max(c.peak_bytes for c in _directions(ours))
     dense_peak = max(c.peak_bytes for c in _directions(dense))
     assert ours_peak <= dense_peak / 10, (ours_peak / 2**20, dense_peak / 2**20)
+
+
+@pytest.mark.parametrize("name", [n for n in whole_call.HEAD_SCENARIOS
+                                  if whole_call.SCENARIOS[n].form in whole_call.LARGE_FORMS])
+def test_model_time_within_the_gpu_target(counted, name):
+    """The H200 model (not a measurement) of the trainers' defaults against issue 37's GPU
+    target: GEMM floor / ours >= 0.8 and no slower than the dense head; the table in
+    docs/BENCHMARKS.md is benchmarks/whole_call.head_markdown of the same counts."""
+    from traffic_minimum import MATMUL_FLOPS_PER_S
+
+    ours, dense = counted[name], counted[whole_call.SCENARIOS[name].dense]
+    ours_s = sum(c.summary()["device_s"] for c in _directions(ours))
+    dense_s = sum(c.summary()["device_s"] for c in _directions(dense))
+    floor_s = sum(c.gemm_flops for c in _directions(dense)) / MATMUL_FLOPS_PER_S[torch.bfloat16]
+    assert floor_s / ours_s >= 0.8 and ours_s <= dense_s, (floor_s, ours_s, dense_s)
+    rows = [r for s in (whole_call.SCENARIOS[name], whole_call.SCENARIOS[whole_call.SCENARIOS[name].dense])
+            for r in whole_call.records(s, counted[s.name], {})]
+    assert f"| {floor_s / ours_s:.2f} |" in whole_call.head_markdown(rows).split(f"| {name} |")[1].split("\n")[0]
+
+
+def test_trainable_peak_is_dw_and_a_tenth_of_the_dense_heads(counted):
+    """dW [V, H] is the call's output, the dense head's too: above it, a tenth of the dense
+    head's peak (no fp32 [V, H] accumulator, no [V, H] temporary per chunk)."""
+    name = "head ce, trainable lm_head"
+    ours, dense = counted[name], counted[whole_call.SCENARIOS[name].dense]
+    grad_weight = VOCAB * HIDDEN * torch.bfloat16.itemsize
+    ours_peak = max(c.peak_bytes for c in _directions(ours))
+    dense_peak = max(c.peak_bytes for c in _directions(dense))
+    assert ours_peak <= grad_weight + dense_peak / 10, (ours_peak / 2**20, dense_peak / 2**20)
 
 
 def test_serving_is_a_few_launches(counted):

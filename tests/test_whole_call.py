@@ -289,7 +289,9 @@ def test_records_are_json_and_the_doc_table_is_replaced_in_place(tmp_path):
     assert [r["direction"] for r in rows] == ["forward", "backward"]
     json.dumps(rows)
     doc = tmp_path / "doc.md"
-    doc.write_text(f"# t\n\n{whole_call.DOC_MARKER}\n| old |\n|---|\n| row |\n\nafter\n")
+    doc.write_text(f"# t\n\n{whole_call.DOC_MARKER}\n| old |\n|---|\n| row |\n{whole_call.DOC_END}\n\nafter\n")
+    whole_call.write_doc(doc, whole_call.markdown(rows))
     whole_call.write_doc(doc, whole_call.markdown(rows))
     text = doc.read_text()
-    assert "| old |" not in text and "| conv training | 1/0/1 · 1/0/3 |" in text and text.endswith("\n\nafter\n")
+    assert "| old |" not in text and "| conv training | 1/0/1 · 1/0/3 |" in text and "commit `test`" in text
+    assert text.count("| conv training |") == 1 and text.endswith(f"\n{whole_call.DOC_END}\n\nafter\n")

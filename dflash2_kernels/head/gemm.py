@@ -100,7 +100,8 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
                            accumulate: bool = True) -> None:
     """grad_weight [V, H] (compute dtype) += grad_logits [R, V] (compute or weight's dtype)^T
     @ rows [R, H] (weight's dtype); ``accumulate`` False writes it instead (the first chunk:
-    no zero fill of [V, H] before it)."""
+    no zero fill of [V, H] before it; or the only product of these rows of dW, which may
+    then be in the weight's dtype: one rounding of the GEMM's fp32 sums)."""
     global _addmm_out_dtype_refused
     if not accumulate:
         if grad_logits.dtype == rows.dtype == grad_weight.dtype:

@@ -195,14 +195,13 @@ def backward(grad_losses, grad_topk, grad_label, hidden, weight, target_hidden, 
         grad_losses, grad_topk, grad_label, hidden, weight, target_hidden, target_weight, topk_ids, label_ids,
         row_stats, loss_mask, logit_scale, softcap, need_hidden, need_weight,
         slice_columns(rows, weight.shape[0], tile_rows))
-    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-            None if grad_weight is None else grad_weight.to(weight.dtype))
+    return None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight
 
 
 def recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight, target_hidden, target_weight, topk_ids,
                      label_ids, row_stats, loss_mask, logit_scale, softcap, need_hidden, need_weight, columns: int,
                      vocab_start: int = 0, shard: bool = False):
-    """(dh [N, H] or None, dW [V_local, H] or None), both in the compute dtype, by the logits
+    """(dh [N, H] in the compute dtype or None, dW [V_local, H] in weight's dtype or None), by the logits
     recomputed a vocabulary slice of ``columns`` at a time over all N rows: per slice
     s = h W[slice]^T (and t), the sweep's combined dS [N, C] against the forward's row
     statistics (ids global: vocab_start + the slice's start), dW[slice] = dS^T h written in
@@ -220,7 +219,8 @@ def recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight, target_
     empty = not rows or not vocab  # then nothing writes them
     grad_hidden = (torch.zeros if empty else torch.empty)((rows, width), dtype=dtype, device=device) \
         if need_hidden else None
-    grad_weight = (torch.zeros if empty else torch.empty)((vocab, width), dtype=dtype, device=device) \
+    # dW in the weight's dtype: one GEMM writes each slice once, rounding once (no fp32 [V, H]).
+    grad_weight = (torch.zeros if empty else torch.empty)((vocab, width), dtype=weight.dtype, device=device) \
         if need_weight else None
     if empty:
         return grad_hidden, grad_weight

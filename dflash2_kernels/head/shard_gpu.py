@@ -207,6 +207,4 @@ def backward(saved, meta, plan, grad_losses, grad_topk, grad_label, need_hidden:
             vocab_start=plan.start, shard=True)
     if need_hidden:
         grad_hidden = shard_common.all_reduce_sum(grad_hidden.contiguous(), plan.group).to(hidden.dtype)
-    if need_weight:
-        grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight
