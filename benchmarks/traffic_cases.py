@@ -370,8 +370,11 @@ def head_backward_case(vocab: int, weight_grad: bool) -> Callable:
 
         grads, saved = _head_backward_state(rows, vocab, device, weight_grad)
         if weight_grad:
+            # dh and dW: the top-k and label gradients leave the plane for dh, join it for dW.
             chunk = _head_chunk(rows, vocab, TOP_K, target=True, labels=True, losses=2)
-            kernels = {"draft_head_sweep_kernel[backward]": minimum.head_sweep_backward(chunk)}
+            kernels = {"draft_head_sweep_kernel[backward]": minimum.head_sweep_backward(chunk, sparse_out=True),
+                       "draft_head_sparse_add_kernel": minimum.head_sparse_add(rows, TOP_K, 4, 4),
+                       "draft_head_hidden_grad_kernel": minimum.head_hidden_grad(rows, HEAD_WIDTH, 0, TOP_K, 4, 4, 4)}
         else:
             kernels = {"draft_head_hidden_grad_kernel": minimum.head_hidden_grad(rows, HEAD_WIDTH, 2, TOP_K, 4, 4, 4)}
         return CaseRun(

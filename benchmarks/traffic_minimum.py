@@ -106,6 +106,9 @@ BUDGETS = {
         sectors=1.1,
         why="one read of each plane and one write of dL/ds; the top-k ids are read again by the segments that hold "
             "one of them"),
+    "draft_head_sparse_add_kernel": Budget(
+        sectors=8.0, why="per row K + 1 scalar read-modify-writes of plane entries at their ids, a sector each "
+                         "(latency-bound: R programs of K + 1 steps)"),
     "draft_head_finish_kernel": Budget(
         sectors=4.0, why="per row scalar stores of the losses and row sums (latency-bound: R programs)"),
     "draft_head_hidden_grad_kernel": Budget(
@@ -438,12 +441,21 @@ def head_sweep_forward(chunk: HeadChunk) -> int:
     return chunk.planes_read() + chunk.rows * (40 + 8) + sums + planes
 
 
-def head_sweep_backward(chunk: HeadChunk) -> int:
+def head_sweep_backward(chunk: HeadChunk, sparse_out: bool = False) -> int:
     """draft_head_sweep_kernel in the backward's recompute: s (and t) read once, the row's
     statistics, label, upstream gradients of the losses, of the top-k (with their ids) and
-    of the label read, the combined dL/ds written once in the planes' dtype."""
+    of the label read, the combined dL/ds written once in the planes' dtype (and, with
+    ``sparse_out``, the K + 1 sparse gradients in the compute dtype)."""
     per_row = 40 + 8 + 4 * chunk.losses + chunk.top_k * (8 + 4) + 4
+    per_row += (chunk.top_k + 1) * chunk.entry_bytes * int(sparse_out)
     return chunk.planes_read() + chunk.rows * per_row + chunk.rows * chunk.vocab * chunk.plane_bytes
+
+
+def head_sparse_add(rows: int, top_k: int, entry_bytes: int, plane_bytes: int) -> int:
+    """draft_head_sparse_add_kernel with every one of a row's K + 1 entries in the slice (the
+    most it moves): their ids and the label read, the sparse gradients read, each entry of
+    the plane read and written."""
+    return rows * (8 * top_k + 8 + (top_k + 1) * (entry_bytes + 2 * plane_bytes))
 
 
 def head_finish(rows: int, segments: int, loss_mask: int, target: bool) -> int:

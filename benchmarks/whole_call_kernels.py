@@ -305,12 +305,23 @@ def _head_sweep(launch) -> tuple[int, int]:
     plane_bytes = a["planes_ptr"].element_size()
     if c["GRADS"] == 2:
         chunk = _head_chunk(launch, rows, a["top_k"], losses=losses, plane_bytes=plane_bytes)
-        written = rows * a["vocab"] * plane_bytes
-        return _budgeted("draft_head_sweep_kernel[backward]", minimum.head_sweep_backward(chunk), written, written)
+        sparse = (a["top_k"] + 1) * chunk.entry_bytes * int(c["SPARSE_OUT"])
+        written = rows * (a["vocab"] * plane_bytes + sparse)
+        need = minimum.head_sweep_backward(chunk, bool(c["SPARSE_OUT"]))
+        return _budgeted("draft_head_sweep_kernel[backward]", need, written, written)
     planes = bin(c["PLANE_MASK"]).count("1") if c["GRADS"] == 1 else 0
     chunk = _head_chunk(launch, rows, 0, losses=losses, plane_losses=planes, plane_bytes=plane_bytes)
     written = rows * (planes * a["vocab"] * plane_bytes + chunk.segments * 48 * int(c["SUMS"]))
     return _budgeted("draft_head_sweep_kernel[forward]", minimum.head_sweep_forward(chunk), written, written)
+
+
+@triton_kernel("draft_head_sparse_add_kernel")
+def _head_sparse_add(launch) -> tuple[int, int]:
+    a = launch.args
+    rows, top_k = launch.programs, a["top_k"]
+    written = rows * (top_k + 1) * a["plane_ptr"].element_size()
+    need = minimum.head_sparse_add(rows, top_k, a["sparse_ptr"].element_size(), a["plane_ptr"].element_size())
+    return _budgeted("draft_head_sparse_add_kernel", need, written, written)
 
 
 @triton_kernel("draft_head_finish_kernel")

@@ -581,8 +581,11 @@ def draft_head(
     z = draft_head_logits(hidden, weight, logit_scale, softcap).reshape(-1, vocab)
     t = None
     if target_hidden is not None:
+        # The verifier's side is a constant (SPEC: W_t a frozen copy): no gradient reaches
+        # weight, target_weight or target_hidden through t.
         target_weight = weight if target_weight is None else target_weight
-        t = draft_head_logits(target_hidden, target_weight, logit_scale, softcap).reshape(-1, vocab)
+        t = draft_head_logits(target_hidden.detach(), target_weight.detach(), logit_scale,
+                              softcap).reshape(-1, vocab)
     rounded = z.to(logits_dtype)
     topk_ids = torch.sort(rounded.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
     draft_argmax = torch.argmax(rounded.detach(), dim=-1)

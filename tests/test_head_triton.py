@@ -185,24 +185,38 @@ def test_empty_rows():
     assert out.topk_ids.shape == (0, 3, 4) and out.losses["ce"].shape == (0, 3)
 
 
-def test_recompute_keeps_the_top_k_gradient_through_w_exact():
-    """A trainable 16-bit lm_head's backward rounds dL/ds to the weight's dtype for its GEMMs,
-    and adds back to dh what that rounding took from the top-k and label entries: with no
-    loss, dh is the top-k and label logits' gradients through their W rows, to fp32's
-    rounding (16-bit rounding of a gradient of 1000 would be off by ~4)."""
-    hidden, weight, _, labels = make_inputs(6, 300, 16, hidden_dtype=F32, weight_dtype=BF16, labels="given")
+@pytest.mark.parametrize("weight_dtype, vocab, losses", [(BF16, 300, ()), (F32, 9000, ("ce",))])
+def test_recompute_keeps_the_top_k_gradient_through_w_exact(weight_dtype, vocab, losses):
+    """A trainable lm_head's backward takes the top-k and label logits' gradients to dh
+    through their W rows, not through the dL/ds plane's product over V: large upstream
+    gradients there (1000) would otherwise be rounded with the plane (16-bit: off by ~4)
+    or at every step of the fp32 product's sum over V (MKL_CBWR=COMPATIBLE showed ~30 x
+    fp32's rounding at V 9,000). dh against float64, to a few times fp32's rounding of
+    its largest value."""
+    hidden, weight, _, labels = make_inputs(6, vocab, 16, hidden_dtype=F32, weight_dtype=weight_dtype,
+                                            labels="given")
     hidden = hidden.to(DEVICE).requires_grad_(True)
     weight = weight.to(DEVICE).requires_grad_(True)
-    out = dk.draft_head(hidden, weight, labels=labels.to(DEVICE), losses=(), top_k=4, logits_dtype=F32)
+    out = dk.draft_head(hidden, weight, labels=labels.to(DEVICE), losses=losses, top_k=4, logits_dtype=F32)
     gen = torch.Generator().manual_seed(5)
     grad_topk = 1000 * torch.randn(6, 4, generator=gen, dtype=torch.float64)
     grad_label = 1000 * torch.randn(6, generator=gen, dtype=torch.float64)
-    grad_hidden, _ = torch.autograd.grad([out.topk_logits, out.label_logit],
-                                         [hidden, weight], [grad_topk.float().to(DEVICE), grad_label.float().to(DEVICE)])
+    grad_ce = torch.rand(6, generator=gen, dtype=torch.float64)
+    outputs, upstream = [out.topk_logits, out.label_logit], [grad_topk.float(), grad_label.float()]
+    if losses:
+        outputs.append(out.losses["ce"])
+        upstream.append(grad_ce.float())
+    grad_hidden, _ = torch.autograd.grad(outputs, [hidden, weight], [g.to(DEVICE) for g in upstream])
+    h64 = hidden.detach().cpu().double().requires_grad_(True)
     w64 = weight.detach().cpu().double()
+    z = h64 @ w64.T
     column = torch.where(labels == reference.IGNORE_INDEX, 0, labels)
-    exact = torch.einsum("nk,nkh->nh", grad_topk.float().double(), w64[out.topk_ids.cpu()])
-    exact = exact + grad_label.float().double()[:, None] * w64[column]
+    objective = (grad_topk.float().double() * z.gather(1, out.topk_ids.cpu())).sum()
+    objective = objective + (grad_label.float().double() * z.gather(1, column[:, None]).squeeze(1)).sum()
+    if losses:
+        ce = torch.logsumexp(z, -1) - z.gather(1, column[:, None]).squeeze(1)
+        objective = objective + (grad_ce.float().double() * torch.where(labels == reference.IGNORE_INDEX, 0, ce)).sum()
+    exact, = torch.autograd.grad(objective, h64)
     scale = exact.abs().max().item()
     error = (grad_hidden.cpu().double() - exact).abs().max().item()
-    assert error <= 8 * 2**-24 * scale, error / scale
+    assert error <= 8 * 2**-24 * scale, error / scale / 2**-24

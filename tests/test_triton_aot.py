@@ -62,7 +62,8 @@ HEAD_CONFIGS = [
         ("bfloat16", "bfloat16", 0b10001, True, True, False, 16, {"vocab": 248_321}),
     ]
 ]
-HEAD_KERNELS = ["scan", "merge", "sweep", "sweep_row_sums", "sweep_backward", "finish", "hidden_grad", "radix_topk",
+HEAD_KERNELS = ["scan", "merge", "sweep", "sweep_row_sums", "sweep_backward", "sweep_backward_sparse", "sparse_add",
+                "sparse_hidden_grad", "finish", "hidden_grad", "radix_topk",
                 "shard_pack", "shard_merge", "shard_shares", "shard_final", "shard_hidden_grad"]
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]

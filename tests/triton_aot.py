@@ -127,6 +127,7 @@ def head_plans(weight: str, logits: str, loss_mask: int, target: bool, labels: b
     grad_losses = meta(losses, rows, dtype=torch.float32)
     grad_topk = meta(rows, top_k, dtype=torch.float32)
     grad_label = meta(rows, dtype=torch.float32)
+    sparse = meta(rows, top_k + 1)
     labels_in = meta(rows, dtype=i64) if labels else None
     given = meta(rows, top_k, dtype=i64) if mode == 2 else None
     scalars = (1.0, cap)
@@ -145,6 +146,14 @@ def head_plans(weight: str, logits: str, loss_mask: int, target: bool, labels: b
         "sweep_backward": gl.plan_sweep(s, t, outputs["row_stats"], label_ids, None, grad_plane, 0, loss_mask,
                                         *scalars, grads=2, grad_losses=grad_losses, topk_ids=outputs["topk_ids"],
                                         grad_topk=grad_topk, grad_label=grad_label),
+        "sweep_backward_sparse": gl.plan_sweep(s, t, outputs["row_stats"], label_ids, None, grad_plane, 0, loss_mask,
+                                               *scalars, grads=2, grad_losses=grad_losses,
+                                               topk_ids=outputs["topk_ids"], grad_topk=grad_topk,
+                                               grad_label=grad_label, sparse=sparse),
+        "sparse_add": gl.plan_sparse_add(grad_plane, sparse, outputs["topk_ids"], label_ids, 7, top_k > 0, True),
+        "sparse_hidden_grad": gl.plan_hidden_grad(meta(rows, width), None, None, weight_rows, outputs["topk_ids"],
+                                                  sparse[:, :top_k], sparse[:, :top_k], label_ids, sparse[:, top_k],
+                                                  sparse[:, top_k], *scalars, sloped=False, accumulate=True),
         "finish": gl.plan_finish(sums, label_ids, outputs["losses"], outputs["overlap"], outputs["row_stats"], 0,
                                  rows, loss_mask, target),
         "hidden_grad": gl.plan_hidden_grad(meta(rows, width, dtype=weight_dtype), meta(rows, losses, width),

@@ -8,10 +8,10 @@ the gradient w.r.t. hidden is, per row n,
 with c = (the upstream gradient of the top-k / label logit) x dz/ds at that logit: the
 top-k and label logits' own gradients go through the W rows they came from (K + 1 rows),
 not through a product over V, whose rounding would grow with V. The recompute's backward
-(gpu_driver.recomputed_grads) takes it too, without planes, to add back what rounding its
-16-bit dL/ds plane took from those entries (SLOPED off: c given as dL/ds; ACCUMULATE). One launch for the whole
-backward: one program per (row, slice of BLOCK_H columns), fp32 (fp64) sums, rounded once
-to the output's dtype.
+(gpu_driver.recomputed_grads) takes it too, without planes, for the same sparse gradients
+(SLOPED off: c given as dL/ds by the sweep; ACCUMULATE onto its dense dh). One launch for
+the whole backward: one program per (row, slice of BLOCK_H columns), fp32 (fp64) sums,
+rounded once to the output's dtype.
 
 Bad ids (outside [0, V) in a raw call of the backward op: no host sync checks them on a
 GPU) read nothing and make their row's gradient NaN. A vocab-parallel shard (SHARD)

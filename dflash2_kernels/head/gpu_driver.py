@@ -23,8 +23,9 @@ step that reads a row more than twice.
 Backward with the planes kept (a frozen lm_head, both trainers): one launch,
 draft_head_hidden_grad_kernel. Otherwise (a trainable lm_head, or too many losses to
 keep planes) per vocabulary slice of all rows (:func:`recomputed_grads`): the logits again
-(one GEMM a side), the sweep kernel's combined dS = sum_l g_l dL_l/ds plus the top-k and
-label logits' gradients into one P plane, dW[slice] = dS^T h, dh += dS W[slice].
+(one GEMM a side), the sweep kernel's combined dS = sum_l g_l dL_l/ds into one P plane,
+dh += dS W[slice], the top-k and label logits' gradients added into dS, dW[slice] =
+dS^T h; those few gradients reach dh through their W rows (one launch at the end).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from .gpu_launch import (
     plan_merge,
     plan_radix_topk,
     plan_scan,
+    plan_sparse_add,
     plan_sweep,
     segments,
 )
@@ -204,9 +206,10 @@ def recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight, target_
     """(dh [N, H] in the compute dtype or None, dW [V_local, H] in weight's dtype or None), by the logits
     recomputed a vocabulary slice of ``columns`` at a time over all N rows: per slice
     s = h W[slice]^T (and t), the sweep's combined dS [N, C] against the forward's row
-    statistics (ids global: vocab_start + the slice's start), dW[slice] = dS^T h written in
-    place, dh += dS W[slice]; then what a 16-bit dS lost at the top-k and label entries,
-    added to dh through their W rows (``shard``: a vocab-parallel shard's rows, ids global).
+    statistics (ids global: vocab_start + the slice's start), dh += dS W[slice], the top-k
+    and label logits' gradients added into dS, dW[slice] = dS^T h written in place; then
+    those sparse gradients added to dh through their W rows (``shard``: a vocab-parallel
+    shard's rows, ids global).
     Slicing the vocabulary, not the rows, keeps each GEMM's rows
     at N and reads and writes each row of dW once (a row chunk's dW += would read and write
     all of [V, H] in fp32 per chunk)."""
@@ -230,13 +233,14 @@ def recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight, target_
     # Flat buffers: the last slice's narrower planes are contiguous views of their front.
     logits = torch.empty(rows * columns, dtype=dtype, device=device)
     target_logits = torch.empty(rows * columns, dtype=dtype, device=device) if soft else None
-    planes_dtype = plane_dtype(weight.dtype)
-    grad_logits = torch.empty(rows * columns, dtype=planes_dtype, device=device)
+    grad_logits = torch.empty(rows * columns, dtype=plane_dtype(weight.dtype), device=device)
     sparse_ids = topk_ids if topk_ids.shape[1] and grad_topk is not None else None
-    # What rounding dL/ds to a 16-bit plane takes from the top-k and label entries, for dh.
-    corrections = None
-    if need_hidden and planes_dtype != dtype and (sparse_ids is not None or grad_label is not None):
-        corrections = torch.zeros((rows, topk_ids.shape[1] + 1), dtype=dtype, device=device)
+    top_k = topk_ids.shape[1]
+    # dh takes the top-k and label gradients through their W rows, not through the
+    # product over V (whose fp32 sums would round those large entries at every step).
+    sparse = None
+    if need_hidden and (sparse_ids is not None or grad_label is not None):
+        sparse = torch.zeros((rows, top_k + 1), dtype=dtype, device=device)
     for start in range(0, vocab, columns):
         stop = min(vocab, start + columns)
         plane = (rows, stop - start)
@@ -249,16 +253,18 @@ def recomputed_grads(grad_losses, grad_topk, grad_label, hidden, weight, target_
         plan_sweep(s, t, row_stats, label_ids, None, dS, 0, loss_mask, logit_scale, softcap, grads=2,
                    vocab_start=vocab_start + start, grad_losses=grad_losses, topk_ids=sparse_ids,
                    grad_topk=grad_topk if sparse_ids is not None else None, grad_label=grad_label,
-                   corrections=corrections).run(s)
-        if need_weight:
-            gemm.accumulate_weight_grad(grad_weight[start:stop], dS, hidden, accumulate=False)
+                   sparse=sparse).run(s)
         if need_hidden:
             gemm.hidden_grad(grad_hidden, dS, weight[start:stop], accumulate=start > 0)
-    if corrections is not None:
-        top_k = topk_ids.shape[1]
-        plan_hidden_grad(grad_hidden, None, None, weight, topk_ids, corrections[:, :top_k],
-                         corrections[:, :top_k] if sparse_ids is not None else None, label_ids,
-                         corrections[:, top_k], corrections[:, top_k] if grad_label is not None else None,
+        if need_weight:
+            if sparse is not None:
+                plan_sparse_add(dS, sparse, topk_ids, label_ids, vocab_start + start, sparse_ids is not None,
+                                grad_label is not None).run(dS)
+            gemm.accumulate_weight_grad(grad_weight[start:stop], dS, hidden, accumulate=False)
+    if sparse is not None:
+        plan_hidden_grad(grad_hidden, None, None, weight, topk_ids, sparse[:, :top_k],
+                         sparse[:, :top_k] if sparse_ids is not None else None, label_ids,
+                         sparse[:, top_k], sparse[:, top_k] if grad_label is not None else None,
                          logit_scale, softcap, vocab_start=vocab_start, shard=shard,
                          sloped=False, accumulate=True).run(grad_hidden)
     return grad_hidden, grad_weight

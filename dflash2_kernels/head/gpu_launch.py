@@ -25,7 +25,7 @@ from .shard_kernels import (
     draft_head_shard_pack_kernel,
     draft_head_shard_shares_kernel,
 )
-from .sweep_kernels import SUMS_WIDTH, draft_head_finish_kernel, draft_head_sweep_kernel
+from .sweep_kernels import SUMS_WIDTH, draft_head_finish_kernel, draft_head_sparse_add_kernel, draft_head_sweep_kernel
 from .topk_kernels import draft_head_topk_kernel
 
 # Under TRITON_INTERPRET=1, triton.jit hands back an interpreter object: CPU tensors run.
@@ -143,11 +143,12 @@ def plan_merge(logits, target, partials, best, cand_keys, cand_ids, cand_count, 
 
 def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: int, loss_mask: int, logit_scale: float,
                softcap: float, *, grads: int, plane_mask: int = 0, vocab_start: int = 0, grad_losses=None,
-               topk_ids=None, grad_topk=None, grad_label=None, corrections=None) -> KernelLaunch:
+               topk_ids=None, grad_topk=None, grad_label=None, sparse=None) -> KernelLaunch:
     """The second read of a chunk: sums fp64 [N, S, 6] (or None: no sums), planes P
     [R, L, V] (grads 1: the losses of plane_mask) or [R, V] (grads 2: the combined
     gradient with grad_losses [L, N], topk_ids / grad_topk [N, K], grad_label [N], each
-    may be None, and the rounding's corrections E [N, K + 1], zeros in, or None)."""
+    may be None; the top-k and label gradients into ``sparse`` E [N, K + 1], zeros in,
+    instead of the plane when it is given)."""
     rows, vocab = logits.shape
     seg, warps = segment_tiles(logits.dtype, softcap > 0)
     n_segments = triton.cdiv(vocab, seg)
@@ -160,7 +161,7 @@ def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: in
         topk_ids_ptr=label_ids if topk_ids is None else topk_ids,
         grad_topk_ptr=stand_in if grad_topk is None else grad_topk,
         grad_label_ptr=stand_in if grad_label is None else grad_label,
-        corrections_ptr=logits if corrections is None else corrections,
+        sparse_ptr=logits if sparse is None else sparse,
         row_start=row_start, n_segments=n_segments, vocab=vocab, vocab_start=vocab_start,
         top_k=0 if topk_ids is None else topk_ids.shape[1],
         stride_logits_row=logits.stride(0), stride_target_row=(logits if target is None else target).stride(0),
@@ -173,8 +174,20 @@ def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: in
     constexprs = dict(LOSS_MASK=loss_mask, HAS_TARGET=target is not None, HAS_SOFTCAP=softcap > 0,
                       SUMS=sums is not None, GRADS=grads, PLANE_MASK=plane_mask if grads == 1 else 0,
                       HAS_GRAD_LOSSES=grad_losses is not None, HAS_GRAD_TOPK=grad_topk is not None,
-                      HAS_GRAD_LABEL=grad_label is not None, CORRECTIONS=corrections is not None, SEG=seg)
+                      HAS_GRAD_LABEL=grad_label is not None, SPARSE_OUT=sparse is not None, SEG=seg)
     return KernelLaunch(draft_head_sweep_kernel, _grid(rows * n_segments), args, constexprs, warps)
+
+
+def plan_sparse_add(plane, sparse, topk_ids, label_ids, column_start: int, has_topk: bool,
+                    has_label: bool) -> KernelLaunch:
+    """The top-k and label logits' dL/ds (sparse E [N, K + 1]) added to one vocabulary
+    slice's plane P [N, C] (columns: global ids column_start + c), for the dW product."""
+    rows, columns = plane.shape
+    args = dict(plane_ptr=plane, sparse_ptr=sparse, topk_ids_ptr=topk_ids, label_ids_ptr=label_ids,
+                column_start=column_start, columns=columns, top_k=topk_ids.shape[1],
+                stride_plane_row=plane.stride(0))
+    constexprs = dict(HAS_GRAD_TOPK=bool(has_topk), HAS_GRAD_LABEL=bool(has_label))
+    return KernelLaunch(draft_head_sparse_add_kernel, _grid(rows), args, constexprs, 1)
 
 
 def plan_finish(sums, label_ids, losses, overlap, row_stats, row_start: int, rows: int, loss_mask: int,

@@ -11,9 +11,12 @@ statistics). It transforms what it reads and, as asked:
     planes' dtype P (the weight's, for the dh GEMM): kl_div and ce need nothing but the
     normalisers, so they come in the same read as the sums; rkl, jsd and tv subtract a
     row sum and take a read of their own after the finish (row statistics);
-  - GRADS 2: the backward's combined sum_l g_l dL_l/ds plus the top-k and label logits'
-    own gradients at their entries, into one P plane [R, V] (for dh and dW), and what the
-    rounding to P took from those K + 1 entries (CORRECTIONS), for dh.
+  - GRADS 2: the backward's combined sum_l g_l dL_l/ds into one P plane [R, V] (for dh
+    and dW), the top-k and label logits' own gradients at their entries added in, or
+    (SPARSE_OUT) written as dL/ds to [N, K + 1] instead: dh then takes them through their
+    W rows (backward_kernels.py) rather than through a product over V, whose fp32 sums
+    would round those large entries at every step of V, and
+    ``draft_head_sparse_add_kernel`` adds them to the plane after the dh product, for dW.
 Ignored rows (label -100) get 0 for every loss term (where(), not a product: their terms
 may be NaN); the top-k and label logits are outputs on every row, so their gradients are
 not masked.
@@ -82,7 +85,7 @@ def draft_head_sweep_kernel(
     topk_ids_ptr,  # int64 [N, K] global (GRADS 2 with HAS_GRAD_TOPK)
     grad_topk_ptr,  # [N, K] at (stride_gt_row, stride_gt_col) (GRADS 2 with HAS_GRAD_TOPK)
     grad_label_ptr,  # [N] at stride_glabel (GRADS 2 with HAS_GRAD_LABEL)
-    corrections_ptr,  # E [N, K + 1], zeros in (CORRECTIONS): the rounding lost at the top-k / label entries
+    sparse_ptr,  # E [N, K + 1], zeros in (SPARSE_OUT): the top-k and label logits' dL/ds
     row_start,
     n_segments,
     vocab,  # this plane's V (a shard's V_local)
@@ -109,7 +112,7 @@ def draft_head_sweep_kernel(
     HAS_GRAD_LOSSES: tl.constexpr,
     HAS_GRAD_TOPK: tl.constexpr,
     HAS_GRAD_LABEL: tl.constexpr,
-    CORRECTIONS: tl.constexpr,  # GRADS 2 into a plane narrower than E
+    SPARSE_OUT: tl.constexpr,  # GRADS 2: the top-k and label gradients to sparse_ptr, not the plane
     SEG: tl.constexpr,
 ):
     """One program per (row, segment): the module docstring's second read."""
@@ -196,50 +199,74 @@ def draft_head_sweep_kernel(
                         weight = scalar_as(tl.load(weights + loss_slot(LOSS_MASK, loss) * stride_gl_loss), E)
                         dense += weight * loss_slope(loss, p, q, log_ratio, one_hot, rkl_e, jsd_q_e, tv_q_e, E)
             dense = tl.where(live, dense, 0.0)
-            first = seg * SEG + vocab_start
-            hits = tl.zeros([], tl.int32)
-            if HAS_GRAD_TOPK:
-                # Only segments holding one of the row's top-k ids add their gradients.
-                for j in range(0, top_k):
-                    picked = tl.load(topk_ids_ptr + n * top_k + j)
-                    hits += ((picked >= first) & (picked < first + SEG)).to(tl.int32)
-                if hits > 0:
-                    for j in range(0, top_k):
-                        picked = tl.load(topk_ids_ptr + n * top_k + j) - vocab_start
-                        grad = scalar_as(tl.load(grad_topk_ptr + n * stride_gt_row + j * stride_gt_col), E)
-                        dense += tl.where(offsets == picked, grad, 0.0)
+            first = seg * SEG  # the segment's first entry, local to the plane
             column = tl.where(label == IGNORE_INDEX, 0, label) - vocab_start  # the label logit's entry
-            if HAS_GRAD_LABEL:
-                # At id 0 on ignored rows, none for -1 (no label).
-                grad = scalar_as(tl.load(grad_label_ptr + n * stride_glabel), E)
-                dense += tl.where((offsets == column) & (label != -1), grad, 0.0)
-            value = dense * dz_ds
-            stored = stored_as(value, planes_ptr.dtype.element_ty)
-            tl.store(plane_row + offsets, stored, mask=in_row)
-            if CORRECTIONS:
-                # What rounding to the plane's dtype took from the top-k and label entries: the
-                # dh GEMM reads the rounded plane, and the backward adds these back through
-                # their W rows (a large upstream gradient there would otherwise lose its low
-                # bits in dh; dW keeps the rounded plane, as a dense 16-bit backward does).
-                lost = value - stored.to(E)
+            if SPARSE_OUT:
+                tl.store(plane_row + offsets, stored_as(dense * dz_ds, planes_ptr.dtype.element_ty), mask=in_row)
                 width = top_k + 1
                 if HAS_GRAD_TOPK:
+                    for j in range(0, top_k):
+                        picked = tl.load(topk_ids_ptr + n * top_k + j) - vocab_start
+                        if (picked >= first) & (picked < first + SEG):
+                            grad = scalar_as(tl.load(grad_topk_ptr + n * stride_gt_row + j * stride_gt_col), E)
+                            slope = tl.sum(tl.where(offsets == picked, dz_ds, 0.0), axis=0)
+                            tl.store(sparse_ptr + n * width + j, grad * slope)
+                if HAS_GRAD_LABEL:
+                    # At id 0 on ignored rows, none for -1 (no label).
+                    if (column >= first) & (column < first + SEG) & (label != -1):
+                        grad = scalar_as(tl.load(grad_label_ptr + n * stride_glabel), E)
+                        slope = tl.sum(tl.where(offsets == column, dz_ds, 0.0), axis=0)
+                        tl.store(sparse_ptr + n * width + top_k, grad * slope)
+            else:
+                if HAS_GRAD_TOPK:
+                    # Only segments holding one of the row's top-k ids add their gradients.
+                    hits = tl.zeros([], tl.int32)
+                    for j in range(0, top_k):
+                        picked = tl.load(topk_ids_ptr + n * top_k + j) - vocab_start
+                        hits += ((picked >= first) & (picked < first + SEG)).to(tl.int32)
                     if hits > 0:
                         for j in range(0, top_k):
                             picked = tl.load(topk_ids_ptr + n * top_k + j) - vocab_start
-                            if (picked >= first - vocab_start) & (picked < first - vocab_start + SEG):
-                                tl.store(corrections_ptr + n * width + j,
-                                         tl.sum(tl.where(offsets == picked, lost, 0.0), axis=0))
+                            grad = scalar_as(tl.load(grad_topk_ptr + n * stride_gt_row + j * stride_gt_col), E)
+                            dense += tl.where(offsets == picked, grad, 0.0)
                 if HAS_GRAD_LABEL:
-                    inside = (column >= first - vocab_start) & (column < first - vocab_start + SEG) & (label != -1)
-                    if inside:
-                        # An entry that is also a top-k one has its correction there already.
-                        shared = tl.zeros([], tl.int32)
-                        if HAS_GRAD_TOPK:
-                            for j in range(0, top_k):
-                                shared += (tl.load(topk_ids_ptr + n * top_k + j) - vocab_start == column).to(tl.int32)
-                        correction = tl.sum(tl.where(offsets == column, lost, 0.0), axis=0)
-                        tl.store(corrections_ptr + n * width + top_k, tl.where(shared > 0, 0.0, correction))
+                    grad = scalar_as(tl.load(grad_label_ptr + n * stride_glabel), E)
+                    dense += tl.where((offsets == column) & (label != -1), grad, 0.0)
+                tl.store(plane_row + offsets, stored_as(dense * dz_ds, planes_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def draft_head_sparse_add_kernel(
+    plane_ptr,  # P [R, C] at stride_plane_row: one vocabulary slice's dL/ds, columns global ids column_start + c
+    sparse_ptr,  # E [N, K + 1]: the top-k and label logits' dL/ds (the sweep's SPARSE_OUT)
+    topk_ids_ptr,  # int64 [N, K] global
+    label_ids_ptr,  # int64 [N]: a label, -100 (ignored: the logit at id 0), -1 (none)
+    column_start,
+    columns,
+    top_k,
+    stride_plane_row,
+    HAS_GRAD_TOPK: tl.constexpr,
+    HAS_GRAD_LABEL: tl.constexpr,
+):
+    """One program per row: the row's sparse gradients that fall in this slice added to
+    its plane entries, in a fixed order (a label that is also a top-k id adds twice)."""
+    n = tl.program_id(0).to(tl.int64)
+    E: tl.constexpr = sparse_ptr.dtype.element_ty
+    P: tl.constexpr = plane_ptr.dtype.element_ty
+    row = plane_ptr + n * stride_plane_row
+    width = top_k + 1
+    if HAS_GRAD_TOPK:
+        for j in range(0, top_k):
+            local = tl.load(topk_ids_ptr + n * top_k + j) - column_start
+            if (local >= 0) & (local < columns):
+                value = tl.load(row + local).to(E) + tl.load(sparse_ptr + n * width + j)
+                tl.store(row + local, stored_as(value, P))
+    if HAS_GRAD_LABEL:
+        label = tl.load(label_ids_ptr + n)
+        local = tl.where(label == IGNORE_INDEX, 0, label) - column_start
+        if (label != -1) & (local >= 0) & (local < columns):
+            value = tl.load(row + local).to(E) + tl.load(sparse_ptr + n * width + top_k)
+            tl.store(row + local, stored_as(value, P))
 
 
 @triton.jit
