@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # then recompiles only what the edit affects).
 EXTENSION_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml dflash2_kernels/_cuda_archs.py
 
-.PHONY: env bench bench-selector traffic test test-asan test-oldest-torch check-cpu fuzz cuda-check clean
+.PHONY: env bench bench-selector traffic test test-asan test-oldest-torch check-cpu fuzz cuda-check clean gpu-check-dry-run
 
 env: $(VENV)/.built
 
@@ -38,15 +38,25 @@ traffic: $(VENV)/.ready
 # The suite against the installed build, then again against the sanitized build, which
 # adds the CUDA kernels run on the CPU's SIMT emulator (scripts/asan.py), then the
 # contract-judged and fuzz tests under the CPU dispatch paths other machines take
-# (scripts/host_variants.py --quick: the ones this CPU can reach, a few cases each), then
-# the op tests against the oldest torch pyproject.toml admits (scripts/oldest_torch.py: its
-# download starts first and overlaps the rest; OLDEST_TORCH=skip skips it, saying so).
+# (scripts/host_variants.py --quick: the ones this CPU can reach, a few cases each), the
+# GPU script's dry run (below), then the op tests against the oldest torch pyproject.toml
+# admits (scripts/oldest_torch.py: its download starts first and overlaps the rest;
+# OLDEST_TORCH=skip skips it, saying so).
 test: env
 	$(PY) scripts/oldest_torch.py prepare --background
 	$(PY) -m pytest
 	$(PY) scripts/asan.py test
 	$(PY) scripts/host_variants.py --quick
+	$(MAKE) gpu-check-dry-run
 	$(PY) scripts/oldest_torch.py test
+
+# scripts/gpu_check.sh on this machine, no GPU needed (~3 min): the benchmarks' profile
+# pass on the CPU's kernels, the profile tables, the wheelhouse for the GPU machine built
+# and checked, the summary and the archive, so the script cannot rot between GPU runs.
+GPU_CHECK_DRY_OUT ?= /tmp/dflash2-gpu-check-dry-run
+gpu-check-dry-run: env
+	rm -rf $(GPU_CHECK_DRY_OUT)
+	OUT=$(GPU_CHECK_DRY_OUT) PYTHON=$(abspath $(PY)) GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh
 
 test-oldest-torch: $(VENV)/.ready
 	$(PY) scripts/oldest_torch.py test

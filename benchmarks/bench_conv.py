@@ -118,7 +118,8 @@ def main() -> None:
                      for impl, conv in impls.items()}
             if device.type == "cpu":
                 calls["floor"] = fill_floor(shape, backward, device)
-            timings = time_side_by_side(calls, device)
+            # Every implementation captures: device time from a CUDA-graph replay.
+            timings = time_side_by_side(calls, device, graph=True)
             for impl, timing in timings.items():
                 rows.append(Row("conv", f"{label} {shape.name}", impl, timing, minimal_bytes(shape, backward),
                                 copy_gbps))

@@ -58,9 +58,9 @@ V 131,072 (kl_div+tv fwd+bwd); and, for the plot of peak memory against N, kl_di
 fwd+bwd at V 151,936 for N 256 to 4096 (the memory plot's panel of that family).
 CUDA, bf16: N in {4096, 16384}, V 248,320, H 5120, the trainers' defaults: ``kl_div``
 (speculators: the kl_div loss, tv a metric: ours' overlap output, the dense heads' tv under
-no_grad) and ``ce labels``, forward and forward+backward. There each record also carries
-``extra.device_ms``: the device's share of a call, the sum of its kernels' times
-(``common.device_kernel_ms``, torch.profiler), beside the call time the table shows.
+no_grad) and ``ce labels``, forward and forward+backward. There each record's timing also
+carries the host's share and the device time (the sum of the call's kernels' times in a
+torch.profiler profile: these calls are not captured in CUDA graphs), ``common.Timing``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ import dflash2_kernels as dk  # noqa: E402
 from dflash2_kernels import reference  # noqa: E402
 
 from common import (  # noqa: E402
-    FLOOR_IMPL, Row, device_kernel_ms, print_table, settled_peak_bytes, start_run, time_side_by_side, write_records,
+    FLOOR_IMPL, Row, print_table, settled_peak_bytes, start_run, time_side_by_side, write_records,
 )
 
 TOP_K = 16
@@ -479,11 +479,8 @@ def time_case(case: Case, inputs: Inputs, product: torch.Tensor, impls: dict, de
                            "losses": list(FORM_LOSSES[form])}}
         if case.skipped:
             extra["skipped"] = dict(case.skipped)
-        # The device's share of the call (the sum of its kernels' times): the call time above
-        # adds the host's launches and gaps (issue 38).
-        extra["device_ms"] = device_kernel_ms(calls[impl], device)
         case.rows.append(Row("head", label, impl, timing, minimal_bytes(shape, form, backward), copy_gbps, extra))
-        device_note = "" if extra["device_ms"] is None else f" (device {extra['device_ms']:.2f} ms)"
+        device_note = "" if timing.device_ms is None else f" (device {timing.device_ms:.2f} ms)"
         print(f"#   {label:48} {impl:20} {timing.median_ms:10.2f} ms{device_note}", flush=True)
 
 

@@ -214,7 +214,8 @@ def main() -> None:
                              for impl, fn in impls.items()}
                     calls[FLOOR_IMPL] = floor(api, level, backward, inputs, shape)
                     nbytes = minimal_bytes(shape, api, level, backward)
-                    for impl, timing in time_side_by_side(calls, device, reps=10).items():
+                    # Every implementation captures: device time from a CUDA-graph replay.
+                    for impl, timing in time_side_by_side(calls, device, reps=10, graph=True).items():
                         peak = peak_extra_bytes(calls[impl], device)
                         rows.append(Row("selector", label, impl, timing, nbytes, copy_gbps,
                                         {"peak_extra_mib": None if peak is None else peak / 2**20}))

@@ -15,6 +15,10 @@ Automodel serving step, before and after ``dk.patch`` of the same model.
     --budget-mib the memory budget of --head's anchor search (default 4096)
     --vocab      --head's vocabularies (default 151936 248320)
     --trainers   --head's training steps (default: speculators nemo)
+    --drafter D  a real drafter's shape instead (qwen3-8b: a Qwen3-8B verifier's drafter
+                 as speculators' DFlash 2 defaults build it, DRAFTERS below); with
+                 --head, at its own vocabulary only
+    --no-anchor-search  --head without the anchor search (a GPU run's time)
 
 What runs (one model per step, switched between the two sides in place by
 ``dk.patch(model)`` / ``dk.unpatch(model)``, which keep the very Parameters and so the
@@ -109,6 +113,7 @@ class Size:
     group: int = 16
     aux_layers: int = 3  # verifier layers whose hidden states feed the draft
     context: int = 8  # C, new context features per serving step
+    autocast: bool = False  # fp32 weights, the step under bf16 autocast (speculators' trainer)
 
     @property
     def name(self) -> str:
@@ -119,6 +124,13 @@ CPU_SIZE = Size(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, 
                 requests=8)
 FULL_SIZE = Size(hidden=5120, heads=32, kv_heads=8, head_dim=128, intermediate=17408, vocab=248_320, tokens=4096,
                  anchors=512, requests=32)
+# Real drafters as speculators 0.9.0's DFlash 2 defaults build them (train/config/schema.py:
+# 5 layers, block 8, max_anchors 512, total_seq_len 8192, fp32 master weights and bf16
+# autocast; the draft's attention and MLP shapes from the verifier's config).
+DRAFTERS = {
+    "qwen3-8b": Size(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151_936,
+                     tokens=8192, anchors=512, requests=32, layers=5, autocast=True),
+}
 
 
 def _own_options() -> argparse.Namespace:
@@ -130,6 +142,8 @@ def _own_options() -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=float, default=4096.0)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151_936, 248_320])
     parser.add_argument("--trainers", nargs="+", choices=sorted(TRAINERS), default=["speculators", "nemo"])
+    parser.add_argument("--drafter", choices=sorted(DRAFTERS))
+    parser.add_argument("--no-anchor-search", action="store_true")
     own, rest = parser.parse_known_args()
     sys.argv = sys.argv[:1] + rest
     return own
@@ -208,11 +222,12 @@ def train_step_fn(model, size: Size, device: torch.device, dtype: torch.dtype, c
     tokens = size.tokens
     loss_mask = torch.ones(1, tokens, dtype=torch.long)
     loss_mask[:, : size.block] = 0
+    data_dtype = torch.bfloat16 if size.autocast else dtype  # speculators' hidden_states_dtype
     batch = dict(
-        hidden_states=torch.randn(1, tokens, size.aux_layers * size.hidden, generator=generator).to(dtype),
+        hidden_states=torch.randn(1, tokens, size.aux_layers * size.hidden, generator=generator).to(data_dtype),
         input_ids=torch.randint(0, size.vocab - 1, (1, tokens), generator=generator),
         loss_mask=loss_mask,
-        verifier_last_hidden_states=torch.randn(1, tokens, size.hidden, generator=generator).to(dtype),
+        verifier_last_hidden_states=torch.randn(1, tokens, size.hidden, generator=generator).to(data_dtype),
         document_ids=(torch.arange(tokens) >= tokens // 2).long().unsqueeze(0),
     )
     batch = {name: tensor.to(device) for name, tensor in batch.items()}
@@ -231,7 +246,8 @@ def train_step_fn(model, size: Size, device: torch.device, dtype: torch.dtype, c
         fused = vars(model).get("forward")
         if fused is not None and not compiled:
             fused = uncompiled(fused.__func__).__get__(model)
-        _, loss, _ = (fused or forward)(**batch, **kwargs)
+        with torch.autocast(device.type, torch.bfloat16, enabled=size.autocast):
+            _, loss, _ = (fused or forward)(**batch, **kwargs)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -455,7 +471,9 @@ def max_anchors_within(model, step_fn, size: Size, device, dtype, compiled: bool
 
 
 def head_sides(size: Size, trainers: list[str], vocabs: list[int], device, dtype, compiled: bool, reps: int,
-               budget_bytes: float, copy_gbps: float) -> list[Row]:
+               budget_bytes: float | None, copy_gbps: float) -> list[Row]:
+    """Each trainer's step at each vocabulary, upstream / ours / ours+head; the anchor
+    search within ``budget_bytes`` unless it is None."""
     rows = []
     for trainer, vocab in ((trainer, vocab) for trainer in trainers for vocab in vocabs):
         build_model, step_fn = TRAINERS[trainer]
@@ -473,12 +491,13 @@ def head_sides(size: Size, trainers: list[str], vocabs: list[int], device, dtype
         for side in sides:
             side.restore()
             side.peak = settled_peak_bytes(side.fn, device)
-            anchors = max_anchors_within(model, step_fn, vsize, device, dtype, compiled, budget_bytes)
-            rows.append(Row("step_head", side.case, side.impl, side.timing, 0, copy_gbps,
-                            {"peak_extra_mib": None if side.peak is None else side.peak / 2**20,
-                             "max_anchors_within_budget": anchors, "budget_mib": budget_bytes / 2**20,
-                             "anchor_search_limit": ANCHOR_SEARCH_LIMIT,
-                             "size": asdict(vsize)}))
+            anchors = None if budget_bytes is None else max_anchors_within(model, step_fn, vsize, device, dtype,
+                                                                           compiled, budget_bytes)
+            extra = {"peak_extra_mib": None if side.peak is None else side.peak / 2**20, "size": asdict(vsize)}
+            if budget_bytes is not None:
+                extra.update(max_anchors_within_budget=anchors, budget_mib=budget_bytes / 2**20,
+                             anchor_search_limit=ANCHOR_SEARCH_LIMIT)
+            rows.append(Row("step_head", side.case, side.impl, side.timing, 0, copy_gbps, extra))
         del model, sides
     return rows
 
@@ -488,18 +507,22 @@ def main() -> None:
     run = start_run(__doc__, quick_help="the training step only")
     args, device = run.args, run.device
     size = FULL_SIZE if device.type == "cuda" or own.full else CPU_SIZE
+    if own.drafter:
+        size = DRAFTERS[own.drafter]
     if own.layers:
         size = replace(size, layers=own.layers)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and not size.autocast else torch.float32
     compiled = device.type == "cuda" and not args.no_compile
     reps = 10 if device.type == "cuda" else 5
-    print(f"# {size.name}, {str(dtype).removeprefix('torch.')}; train: T {size.tokens}, {size.anchors} anchors "
+    print(f"# {size.name}, {str(dtype).removeprefix('torch.')}{' + bf16 autocast' if size.autocast else ''}; train: T {size.tokens}, {size.anchors} anchors "
           f"({size.anchors * size.block} rows){', speculators forward compiled' if compiled else ''}; "
           f"serve: B {size.requests}, C {size.context}")
     if own.head:
-        print(f"# --head: {', '.join(own.trainers)} at V {own.vocab}, anchor search within {own.budget_mib:.0f} MiB")
-        rows = head_sides(size, own.trainers, own.vocab, device, dtype, compiled, 3 if device.type == "cpu" else reps,
-                          own.budget_mib * 2**20, run.copy_gbps)
+        vocabs = [size.vocab] if own.drafter else own.vocab
+        search = "no anchor search" if own.no_anchor_search else f"anchor search within {own.budget_mib:.0f} MiB"
+        print(f"# --head: {', '.join(own.trainers)} at V {vocabs}, {search}")
+        rows = head_sides(size, own.trainers, vocabs, device, dtype, compiled, 3 if device.type == "cpu" else reps,
+                          None if own.no_anchor_search else own.budget_mib * 2**20, run.copy_gbps)
         print_step_table(rows)
         write_records(rows, run.env, args.out)
         return

@@ -1,8 +1,20 @@
 """Timing, roofline and reporting shared by the benchmarks.
 
-Times are per call: median, p20 and p80 over repetitions. On CUDA each repetition is
-timed with events after the L2 cache is flushed (so a 40 MB operand is not served
-from a 50 MB L2); on CPU with ``time.perf_counter``. The roofline is the device's
+Each case's implementation gets three times per call (``Timing``):
+
+- call time (median, p20, p80 over repetitions): the wall time of the call and a device
+  synchronisation, as eager code sees it; on CUDA each repetition starts after the L2
+  cache is flushed (so a 40 MB operand is not served from a 50 MB L2) and synchronised;
+- host time: until the call returned (Python, dispatch, launches), the host's share;
+- device time, on CUDA: from a CUDA-graph replay of the call where the benchmark says it
+  captures (``time_side_by_side(graph=...)``), else the sum of its kernels' durations in a
+  torch.profiler profile (``call_profile.profile_calls``); percent of the copy bandwidth
+  and of the floor come from it.
+
+With ``--profile PATH`` a benchmark also writes each case's per-kernel profile (ours /
+cuBLAS / other aten kernels, launches, host time, the device's idle time) to PATH
+(benchmarks/profile_report.py makes the tables); ``--max-reps N`` caps the repetitions
+(the CPU dry run of scripts/gpu_check.sh). The roofline is the device's
 copy bandwidth, measured in the same run: bytes read + written by a large
 ``Tensor.copy_``, per second.
 """
@@ -30,9 +42,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Timing:
+    """Per call, in ms: the call time's median and quantiles, the host's share, the
+    device's time and how it was taken ("graph" or "profiler"; None off CUDA), and the
+    per-kernel profile (``call_profile.CallProfile.record``) where one was taken."""
+
     median_ms: float
     p20_ms: float
     p80_ms: float
+    host_ms: float | None = None
+    device_ms: float | None = None
+    device_method: str | None = None
+    profile: dict | None = field(default=None, repr=False)
+
+    @property
+    def work_ms(self) -> float:
+        """The device time where measured, else the call time: what bandwidth and floor
+        ratios divide by."""
+        return self.device_ms if self.device_ms is not None else self.median_ms
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -40,8 +66,9 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def _summary(samples_ms: list[float]) -> Timing:
-    return Timing(statistics.median(samples_ms), _quantile(samples_ms, 0.2), _quantile(samples_ms, 0.8))
+def _summary(samples_ms: list[float], host_ms: list[float] | None = None) -> Timing:
+    return Timing(statistics.median(samples_ms), _quantile(samples_ms, 0.2), _quantile(samples_ms, 0.8),
+                  host_ms=statistics.median(host_ms) if host_ms else None)
 
 
 def _warm_up(fn, warmup: int, warmup_s: float) -> None:
@@ -55,7 +82,8 @@ def _warm_up(fn, warmup: int, warmup_s: float) -> None:
 
 
 class _CallTimer:
-    """Milliseconds of one call: on CUDA with events, after flushing the L2 cache."""
+    """One call's wall time and its host share (ms): on CUDA after flushing the L2 cache,
+    from a synchronised start to the synchronisation after the call."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -63,76 +91,112 @@ class _CallTimer:
         if self.flush is not None:
             torch.cuda.synchronize(device)
 
-    def __call__(self, fn) -> float:
-        if self.flush is None:
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        self.flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def flush_l2(self) -> None:
+        if self.flush is not None:
+            self.flush.zero_()
+
+    def __call__(self, fn) -> tuple[float, float]:
+        if self.flush is not None:
+            self.flush.zero_()
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        returned = time.perf_counter()
+        if self.flush is not None:
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        return (end - start) * 1e3, (returned - start) * 1e3
+
+
+# Set by start_run: --profile PATH keeps each case's per-kernel profile (Timing.profile),
+# appended to PATH by write_records; --max-reps N caps every timing's repetitions (and its
+# warm-up at one call): a dry run's time.
+PROFILE_OUT: str | None = None
+MAX_REPS: int | None = None
+_PROFILED_CALLS = 3
 
 
 def time_fn(fn, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 10.0,
-            warmup_s: float = 0.25) -> Timing:
+            warmup_s: float = 0.25, graph: bool = False) -> Timing:
     """Per-call time of ``fn()``, after a warm-up (``_warm_up``); stops early once
     ``budget_s`` seconds are spent."""
     return time_side_by_side({"fn": fn}, device, warmup=warmup, reps=reps, budget_s=budget_s,
-                             warmup_s=warmup_s)["fn"]
+                             warmup_s=warmup_s, graph=graph)["fn"]
 
 
 def time_side_by_side(fns: dict, device: torch.device, *, warmup: int = 3, reps: int = 20, budget_s: float = 30.0,
-                      warmup_s: float = 0.25, prepare: dict | None = None) -> dict:
+                      warmup_s: float = 0.25, prepare: dict | None = None, graph=False) -> dict:
     """Per-call times of a case's implementations ({name: fn} to {name: Timing}), taken
     in turns: each repetition calls every function once, in order, so that a change of
     load on a shared machine lands on all of them alike instead of on whichever was
     running (this project's CPU VMs moved one row by up to 2x within minutes). Each is
     warmed up first; stops early once ``budget_s`` seconds are spent. ``prepare``
     ({name: callable}, optional) runs untimed before each of that name's warm-ups and
-    calls (bench_step.py: put a shared model in that side's state)."""
+    calls (bench_step.py: put a shared model in that side's state).
+
+    On CUDA each also gets its device time: replayed from a
+    CUDA graph where ``graph`` allows (True, or a collection of names: calls that capture,
+    with no host sync and no state that a replay would not update), else from a
+    torch.profiler profile of a few calls. Under --profile (``PROFILE_OUT``) every
+    implementation is profiled, on the CPU too."""
+    profiling = PROFILE_OUT is not None
     prepare = prepare or {}
     untimed = lambda name: prepare.get(name, lambda: None)()  # noqa: E731
+    if MAX_REPS is not None:
+        warmup, reps, warmup_s = min(warmup, 1), min(reps, MAX_REPS), 0.0
     for name, fn in fns.items():
         untimed(name)
         _warm_up(fn, warmup, warmup_s)
     timer = _CallTimer(device)
     samples: dict = {name: [] for name in fns}
+    host: dict = {name: [] for name in fns}
     deadline = time.perf_counter() + budget_s
     for rep in range(reps):
         for name, fn in fns.items():
             untimed(name)
-            samples[name].append(timer(fn))
+            call_ms, host_ms = timer(fn)
+            samples[name].append(call_ms)
+            host[name].append(host_ms)
         if time.perf_counter() > deadline and rep >= 2:
             break
-    return {name: _summary(values) for name, values in samples.items()}
+    timings = {name: _summary(samples[name], host[name]) for name in fns}
+    if device.type == "cuda" or profiling:
+        for name, fn in fns.items():
+            _device_time(timings[name], fn, device, timer, lambda: untimed(name),
+                         graph is True or (graph is not False and name in graph))
+    return timings
 
 
-def device_kernel_ms(fn, device: torch.device, calls: int = 3) -> float | None:
-    """Per call of ``fn()``, the device time of the work it launches: the sum of its kernels'
-    (and memory copies' and sets') durations as torch.profiler records them, whatever time
-    the host adds around them (launch overheads, syncs, gaps). None off CUDA."""
+def _device_time(timing: Timing, fn, device: torch.device, timer: _CallTimer, prepare, graph: bool) -> None:
+    """Fill ``timing``'s device time (and its profile under --profile)."""
+    from call_profile import profile_calls
+
+    prepare()
+    profile = profile_calls(fn, device, calls=_PROFILED_CALLS, before_each=timer.flush_l2)
+    if PROFILE_OUT is not None:
+        timing.profile = profile.record()
     if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize(device)
-    total_us = 0.0
-    for event in prof.key_averages():
-        total_us += getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-    return total_us / 1e3 / calls
+        return
+    timing.device_ms, timing.device_method = profile.device_ms, "profiler"
+    if graph:
+        try:
+            replayed = time_cuda_graph(fn, device, expected_ms=timing.median_ms)
+        except Exception:  # noqa: BLE001  (a call that syncs or draws from an uncapturable generator)
+            torch.cuda.synchronize(device)
+        else:
+            timing.device_ms, timing.device_method = replayed.median_ms, "graph"
 
 
-def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int = 20, reps: int = 50) -> Timing:
-    """Per-call time of ``fn()`` replayed from a CUDA graph of ``calls_per_graph`` calls."""
+def time_cuda_graph(fn, device: torch.device, *, calls_per_graph: int | None = None, reps: int | None = None,
+                    expected_ms: float | None = None) -> Timing:
+    """Per-call time of ``fn()`` replayed from a CUDA graph of ``calls_per_graph`` calls
+    (default: enough for ~1 ms a replay, at most 20, from ``expected_ms``, a call's time),
+    ``reps`` replays (default: ~0.3 s of them, 5 to 50)."""
+    expected_ms = max(expected_ms or 0.05, 1e-3)
+    if calls_per_graph is None:
+        calls_per_graph = max(1, min(20, round(1.0 / expected_ms)))
+    if reps is None:
+        reps = max(5, min(50, round(300.0 / (expected_ms * calls_per_graph))))
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -263,7 +327,13 @@ def start_run(description: str, quick_help: str) -> Run:
     parser.add_argument("--out", help="append JSON records here")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--profile", metavar="PATH", help="append each case's per-kernel profile here (torch.profiler)")
+    parser.add_argument("--max-reps", type=int, metavar="N", help="at most N timed repetitions a case (a dry run)")
     args = parser.parse_args()
+    if args.max_reps is not None and args.max_reps < 1:
+        parser.error(f"--max-reps: expected at least 1, got {args.max_reps}")
+    global PROFILE_OUT, MAX_REPS
+    PROFILE_OUT, MAX_REPS = args.profile, args.max_reps
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device)
     copy_gbps = copy_bandwidth_gbps(device)
@@ -286,24 +356,40 @@ class Row:
 
     @property
     def gbps(self) -> float:
-        return self.bytes / (self.timing.median_ms * 1e-3) / 1e9
+        """Minimal bytes over the device time (the call time where none was measured)."""
+        return self.bytes / (self.timing.work_ms * 1e-3) / 1e9
 
     def record(self, env: dict) -> dict:
-        return {**env, **asdict(self), "gbps": self.gbps, "pct_copy_bw": 100 * self.gbps / self.copy_gbps}
+        record = {**env, **asdict(self), "gbps": self.gbps, "pct_copy_bw": 100 * self.gbps / self.copy_gbps}
+        record["timing"].pop("profile")
+        return record
+
+    def profile_record(self, env: dict) -> dict | None:
+        """The per-kernel profile beside the row's three times, or None where none was taken."""
+        t = self.timing
+        if t.profile is None:
+            return None
+        return {**env, "bench": self.bench, "case": self.case, "impl": self.impl, "call_ms": t.median_ms,
+                "host_ms": t.host_ms, "device_ms": t.device_ms, "device_method": t.device_method,
+                "profile": t.profile}
 
 
 FLOOR_IMPL = "floor"
 
 
 def print_table(rows: list[Row], baseline_impl: str = "ours") -> None:
-    """A fixed-width table; speedups are the baseline's against each other implementation.
-    Rows carrying ``extra['peak_extra_mib']`` get a memory column; rows of the shared
-    floor (impl ``floor``: the work every implementation must do, timed alone) get ours
-    as a percent of it."""
+    """A fixed-width table; speedups (call time) are the baseline's against each other
+    implementation. Rows with a device time get host and device columns (GB/s and %copy
+    are then the device's); rows carrying ``extra['peak_extra_mib']`` get a memory column;
+    rows of the shared floor (impl ``floor``: the work every implementation must do,
+    timed alone) get ours as a percent of it (device times where both have one)."""
     ours = {r.case: r for r in rows if r.impl == baseline_impl}
+    with_device = any(r.timing.device_ms is not None for r in rows)
     with_memory = any("peak_extra_mib" in r.extra for r in rows)
     with_floor = any(r.impl == FLOOR_IMPL for r in rows)
-    header = f"{'case':58} {'impl':18} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9} {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
+    header = f"{'case':58} {'impl':18} {'median ms':>10} {'p20 ms':>9} {'p80 ms':>9}"
+    header += f" {'host ms':>9} {'device ms':>10} {'how':>5}" if with_device else ""
+    header += f" {'GB/s':>8} {'%copy':>6} {'ours x':>7}"
     header += f" {'peak MiB':>9}" if with_memory else ""
     header += f" {'ours %floor':>11}" if with_floor else ""
     print(header)
@@ -311,23 +397,34 @@ def print_table(rows: list[Row], baseline_impl: str = "ours") -> None:
     first_seen = {case: i for i, case in reversed(list(enumerate(r.case for r in rows)))}
     for r in sorted(rows, key=lambda r: first_seen[r.case]):  # stable: each case's rows together
         base = ours.get(r.case)
-        speedup = f"{r.timing.median_ms / base.timing.median_ms:7.2f}" if base and r is not base else "       "
-        line = (
-            f"{r.case:58} {r.impl:18} {r.timing.median_ms:10.4f} {r.timing.p20_ms:9.4f} {r.timing.p80_ms:9.4f} "
-            f"{r.gbps:8.1f} {100 * r.gbps / r.copy_gbps:6.1f} {speedup}"
-        )
+        t = r.timing
+        speedup = f"{t.median_ms / base.timing.median_ms:7.2f}" if base and r is not base else "       "
+        line = f"{r.case:58} {r.impl:18} {t.median_ms:10.4f} {t.p20_ms:9.4f} {t.p80_ms:9.4f}"
+        if with_device:
+            line += f" {_cell(t.host_ms, 9)} {_cell(t.device_ms, 10)} {(t.device_method or '-')[:5]:>5}"
+        line += f" {r.gbps:8.1f} {100 * r.gbps / r.copy_gbps:6.1f} {speedup}"
         if with_memory:
-            peak = r.extra.get("peak_extra_mib")
-            line += f" {peak:9.1f}" if peak is not None else f" {'-':>9}"
+            line += f" {_cell(r.extra.get('peak_extra_mib'), 9, 1)}"
         if with_floor and r.impl == FLOOR_IMPL and base:
-            line += f" {100 * base.timing.median_ms / r.timing.median_ms:10.0f}%"
+            both = t.device_ms is not None and base.timing.device_ms is not None
+            ratio = base.timing.work_ms / t.work_ms if both else base.timing.median_ms / t.median_ms
+            line += f" {100 * ratio:10.0f}%"
         print(line)
 
 
+def _cell(value: float | None, width: int, digits: int = 4) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
 def write_records(rows: list[Row], env: dict, path: str | None) -> None:
-    if not path:
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r.record(env)) + "\n")
+    """Append the rows' records to ``path`` and, under --profile, their profiles to its PATH."""
+    targets = [(path, [r.record(env) for r in rows])]
+    if PROFILE_OUT is not None:
+        targets.append((PROFILE_OUT, [p for r in rows if (p := r.profile_record(env)) is not None]))
+    for target, records in targets:
+        if not target:
+            continue
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")

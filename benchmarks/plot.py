@@ -142,6 +142,11 @@ def median(record: dict | None) -> float | None:
     return None if record is None else record["timing"]["median_ms"]
 
 
+def device_ms(record: dict | None) -> float | None:
+    """The device time of a GPU record (benchmarks/common.py's Timing), else None."""
+    return None if record is None else record["timing"].get("device_ms")
+
+
 def peak(record: dict | None) -> float | None:
     return None if record is None else (record.get("extra") or {}).get("peak_extra_mib")
 
@@ -179,7 +184,9 @@ def op_table(op: str, device: str, records: list[dict], plots: Plots) -> str:
     if records[0].get("note"):
         lines += [records[0]["note"], ""]
     lines += [f"Regenerate: `{command(op)}`, then `make plots`."]
-    header = ["shape and dtype", "ours ms", "eager ms (ours x)", "compile ms (ours x)", "floor ms", "ours % of floor"]
+    with_device = any(device_ms(r) is not None for r in records)
+    header = ["shape and dtype", "ours ms" + (" (device)" if with_device else ""), "eager ms (ours x)",
+              "compile ms (ours x)", "floor ms", "ours % of floor"]
     header += [f"{c} ms (ours x)" for c in extra_columns] + ["peak MiB ours / eager / compile"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label in labels:
@@ -193,9 +200,16 @@ def op_table(op: str, device: str, records: list[dict], plots: Plots) -> str:
             return ms(other) + (f" ({times(other / ours)})" if ours else "")
 
         floor = median(row.get("floor"))
-        cells = [label, ms(ours) if ours is not None else "—", against("eager"), against("compile"),
+        ours_cell = ms(ours) if ours is not None else "—"
+        if device_ms(row.get("ours")) is not None:
+            ours_cell += f" ({ms(device_ms(row['ours']))})"
+        # % of floor from device times where both have one (the host's share is not the kernels')
+        mine, base = device_ms(row.get("ours")), device_ms(row.get("floor"))
+        if mine is None or base is None:
+            mine, base = ours, floor
+        cells = [label, ours_cell, against("eager"), against("compile"),
                  ms(floor) if floor is not None else "—",
-                 f"{100 * ours / floor:.0f}%" if ours is not None and floor else "—"]
+                 f"{100 * mine / base:.0f}%" if mine is not None and base else "—"]
         cells += [against(c) for c in extra_columns]
         peaks = [peak(row.get(c)) for c in ("ours", "eager", "compile")]
         cells.append(" / ".join("—" if p is None else f"{p:.1f}" for p in peaks) if has_peak else "not measured")

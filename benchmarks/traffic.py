@@ -2,7 +2,7 @@
 minimum its op must move, and what that predicts on an H200 beside the eager reference.
 A model, not a measurement.
 
-    python benchmarks/traffic.py [--only TEXT] [--out FILE.jsonl] [--doc docs/BENCHMARKS.md]
+    python benchmarks/traffic.py [--only TEXT] [--out FILE.jsonl] [--doc docs/MODELS.md]
                                  [--save docs/results/traffic.jsonl]
     python benchmarks/traffic.py --gpu [--out FILE.jsonl]     # on a GPU machine
 
@@ -281,7 +281,7 @@ def markdown(records: list[dict], env: dict) -> str:
         f"max(DRAM bytes / {model.HBM_BYTES_PER_S / 1e12:.1f} TB/s, FLOPs / peak, "
         f"{model.LAUNCH_FLOOR_S * 1e6:.0f} us); DRAM bytes = unique bytes in whole 32-byte sectors (re-reads "
         "served by the L2) unless the kernel's budget says its re-reads miss (then requested bytes). Regenerate: "
-        "`.venv/bin/python benchmarks/traffic.py --doc docs/BENCHMARKS.md --save docs/results/traffic.jsonl`.",
+        "`.venv/bin/python benchmarks/traffic.py --doc docs/MODELS.md --save docs/results/traffic.jsonl`.",
         "",
         "| op (published shape) | kernel | counted at rows | unique / min | requested / min | sectors / ideal | "
         "warp sectors / request (ideal) | DRAM MB | H200 model us | budget |",
@@ -386,6 +386,10 @@ def gpu_check(args) -> None:
         reset()
         run.ours()
         synchronize()
+        if args.once:
+            print(f"{case.name}: one call", flush=True)
+            del run
+            continue
         reps = 5
         with profile(activities=[activity]) as prof:
             for _ in range(reps):
@@ -411,6 +415,7 @@ def gpu_check(args) -> None:
             print(f"{case.name:40} {key:46} {measured:12.1f} {predicted or 0:9.1f} {ratio}")
         op = model.get((case.name, None), {})
         records.append(dict(kind="op", case=case.name, measured_us=timing.median_ms * 1e3,
+                            device_us=None if timing.device_ms is None else timing.device_ms * 1e3,
                             ours_model_us=op.get("ours_model_us"), **env))
         print(f"{case.name:40} {'(the whole op)':46} {timing.median_ms * 1e3:12.1f} "
               f"{op.get('ours_model_us') or 0:9.1f}")
@@ -436,6 +441,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="on a GPU: time each kernel beside the committed model")
     parser.add_argument("--device", default="cuda", help="--gpu's device (cpu: a dry run of the path)")
     parser.add_argument("--rows", type=int, help="--gpu: rows (sequences) instead of the published shape's")
+    parser.add_argument("--once", action="store_true",
+                        help="--gpu: one call of each case, nothing timed (under ncu or compute-sanitizer)")
     args = parser.parse_args()
     if args.gpu:
         gpu_check(args)

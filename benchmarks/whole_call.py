@@ -2,7 +2,7 @@
 the CPU by running the op's real Python code on fake CUDA tensors (benchmarks/fake_cuda.py).
 A model, not a measurement.
 
-    python benchmarks/whole_call.py [--only TEXT] [--save FILE.jsonl] [--doc docs/BENCHMARKS.md]
+    python benchmarks/whole_call.py [--only TEXT] [--save FILE.jsonl] [--doc docs/MODELS.md]
 
 Each scenario builds fake inputs at a published shape (SPEC section 5: Qwen3.8-27B, H 5120,
 V 248,320, r 256, k 16; speculators' 4,096 rows a step) and calls the public API; the

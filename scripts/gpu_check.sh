@@ -1,51 +1,75 @@
 #!/usr/bin/env bash
 # The one script for a GPU machine: build the CUDA extension (for the GPU it sees), the GPU
-# tests, the rest of the suite, the benchmarks. Every step's full log lands under $OUT (default
-# ./gpu_check_out) with env.txt and summary.txt; the console gets one line per step and
-# the summary last.
+# tests, the benchmarks with each case's per-kernel profile, the tools' probes, the rest.
+# Every step's full log lands under $OUT (default ./gpu_check_out) with env.txt and
+# summary.txt; the console gets one line per step and the summary last.
 #   DFLASH2_COMMIT=$(git rev-parse --short=12 HEAD) OUT=/some/dir bash scripts/gpu_check.sh
 # ends within 9 minutes on one H200. DFLASH2_COMMIT names the commit where the copy has
 # no .git (env.txt and every benchmark record carry it). Uses the machine's python3 (or
-# $PYTHON) and its torch/triton; needs no network.
+# $PYTHON) and its torch/triton; needs no network: Python packages the machine lacks
+# (speculators and what it needs) come as wheels in .whl/ (scripts/wheelhouse.py build;
+# carry .whl with the working tree) and are installed into a scratch directory on
+# PYTHONPATH by the `wheels` step.
 # Exit status: 0 when every required step passed, 1 otherwise.
 #
+# GPU_CHECK_DRY_RUN=1: the same script on a machine with no GPU (CI runs it: make
+# gpu-check-dry-run), so that it cannot rot between GPU runs: the steps that need a GPU
+# (build, kernels, arch, the GPU tests, the tools, the compiles) are skipped saying so;
+# the benchmarks run on the CPU's kernels at their --quick shapes with 3 repetitions,
+# with their profiles and the profile tables; the wheelhouse is built for the GPU
+# machine's Python (its size held) and checked in a scratch environment here
+# (scripts/wheelhouse.py check); the summary and the archive are made and checked (at
+# most 8 files under $OUT, what the device tool brings back).
+#
 # A GPU machine is lent rarely, for ~15 minutes of device time and one command of at
-# most 10 minutes, so one run has to bring back everything: a step that fails or times
-# out never stops the later ones, and each step has its own cap so that one hang cannot
-# eat the others' time. Caps (seconds) and why:
+# most 10 minutes, so one run has to bring back everything, in order of value: a step
+# that fails or times out never stops the later ones, and each step has its own cap so
+# that one hang cannot eat the others' time. Caps (seconds) and why:
 #   build           150  the CUDA build takes ~60 s there with 16 jobs; nothing else is
 #                        worth much without it, so it gets the widest margin
+#   wheels           30  pip install --no-index of .whl/ (seconds; skipped without .whl)
 #   kernels          30  import check: are the CUDA kernels registered, is a GPU visible
 #   arch             30  dk.build_info(): the GPU's compute capability against the code
 #                        the build holds (fails when the GPU runs none of it)
-#   tests_gpu       120  338 tests in 4 pytest-xdist workers: 70 s on the first H200 run
-#                        (cold Triton cache: one JIT compile per kernel specialization)
-#   tests_rest      120  ~2,700 tests in 12 workers (most skip there: no speculators or
-#                        NeMo); the first H200 run reached 583 of them in 45 s
-#   bench_conv       50  --no-compile, all five GPU shapes (the targets sit at
-#                        16384x4096, which --quick drops); torch.compile warm-up of the
-#                        reference would cost more than the whole step
-#   bench_selector   50  --no-compile, both shapes
-#   bench_serving    60  --no-compile, B in {1, 8, 32, 128}; many CUDA-graph captures
-#   bench_head      150  --no-compile, N 4096 / 16384 x V 248,320 x H 5120 bf16, kl_div (tv a
-#                        metric) and ce, fwd and fwd+bwd (issue 37's targets): the dense
-#                        head's [N, V] passes take ~0.1-1 s a call there, 8 s of timing a
-#                        case, then each side's device time (torch.profiler) and peak; a
-#                        dense row that does not fit is recorded as skipped (75 s cut the
-#                        first H200 run short after N 4096: it writes records at the end)
+#   tests_gpu       120  the GPU tests in 4 pytest-xdist workers: 70 s on the first H200
+#                        run (cold Triton cache: one JIT compile per kernel specialization)
+#   bench_conv       50  --no-compile, all five GPU shapes; each case's three times per
+#                        call (call, host, device: CUDA-graph replay) and, with every
+#   bench_selector   50  benchmark, its per-kernel profile (torch.profiler, 3 calls of
+#   bench_serving    60  each implementation) into profile.jsonl: the profile is taken in
+#                        the benchmarks' own pass, not a second one (the head's dense
+#                        calls take up to ~1 s each there: no room for two passes)
+#   bench_head      150  N 4096 / 16384 x V 248,320 x H 5120 bf16, kl_div (tv a metric) and
+#                        ce, fwd and fwd+bwd (issue 37's targets): 5 s of timing a case,
+#                        then the profile and the peak; a dense row that does not fit is
+#                        recorded as skipped (75 s cut the first H200 run short)
+#   bench_step       90  a Qwen3-8B verifier's drafter as speculators' DFlash 2 defaults
+#                        build it (5 layers, V 151,936, 512 anchors, fp32 weights + bf16
+#                        autocast): upstream / ours / ours+head, eager (needs .whl)
+#   profile_tables   20  benchmarks/profile_report.py: profile.jsonl as tables, the
+#                        whole-call model beside each call (in logs.tgz)
+#   ncu              75  Nsight Compute with --clock-control none: DRAM throughput (% of
+#                        peak) and achieved occupancy of our kernels at the published
+#                        shapes (benchmarks/traffic.py --gpu --once); on a runtime that
+#                        refuses the counters the log keeps the refusal
+#   memcheck         60  compute-sanitizer memcheck, then racecheck, over the CUDA C++
+#   racecheck        60  kernels' GPU tests (the caching allocator off for memcheck)
+#   tests_rest      120  the CPU-side suite in 12 workers: CI runs it on every change, so
+#                        here it only adds this machine's torch and Python
 # The caps add up to more than fits: they are there against hangs. The hard bound
 # is BUDGET_S: no step may run past it (its cap shrinks to what is left), so the run ends
 # at BUDGET_S plus the summary, within 9 minutes even when every step runs to its cap;
-# then the last benchmarks are cut short or skipped, and the summary still comes back.
-# Time the required steps leave unused (expected: a few minutes) goes to the optional
-# steps, the FSDP2 step first, then the torch.compile comparisons (conv: the ">= 2x
-# torch.compile" target), each started only when its whole cap still fits: the
+# then the last steps are cut short or skipped, and the summary still comes back.
+# Time the required steps leave unused goes to the optional steps (the tools' probes,
+# the rest of the suite, then the FSDP2 step, the traffic model's kernel timings, the
+# torch.compile comparisons), each started only when its whole cap still fits: the
 # benchmarks write their records only at the end, so a cut-short run is wasted time.
 # Optional steps never change the exit status. Their caps:
 #   fsdp_step        60  one FSDP2 training step of the patched tiny speculators drafter on
 #                        the GPU in a 1-rank gloo process group (no NCCL: FSDP2 skips its
 #                        collectives at world size 1), against the unsharded model; ~15 s
-#                        of imports, the steps themselves well under 1 s
+#                        of imports, the steps themselves well under 1 s (needs .whl)
+#   traffic_model    60  every kernel timed beside the traffic model's prediction
 #   conv_compile    100  and selector_compile 90: Inductor's cold compiles
 #   fused_compiled  150  speculators' compiled training forward and NeMo's compiled draft,
 #                        upstream against the fused head (benchmarks/tools/
@@ -58,10 +82,15 @@ PY="${PYTHON:-python3}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-525}"
 # GPU_CHECK_TESTS_ONLY=1: build and tests only (a second run of a lease, to check fixes).
 TESTS_ONLY="${GPU_CHECK_TESTS_ONLY:-0}"
+DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
+# Steps that need a GPU (or build for one): skipped, saying so, in a dry run.
+GPU_ONLY='^(build|kernels|arch|tests_gpu|ncu|memcheck|racecheck|tests_rest|fsdp_step|traffic_model|conv_compile|selector_compile|fused_compiled)$'
+# Packages from .whl/ go here, ahead of the image's on PYTHONPATH (wheels step).
+SITE="${GPU_CHECK_SITE:-/tmp/dflash2_gpu_check_site}"
 KILL_AFTER=10   # a step ignoring SIGINT (a hung kernel) is killed this long after its cap
 MIN_STEP_S=15   # a required step with less time than this left is not started
 mkdir -p "$OUT"
-rm -f "$OUT/bench.jsonl" "$OUT/bench_compile.jsonl"   # the benchmarks append; start clean
+rm -f "$OUT/bench.jsonl" "$OUT/bench_compile.jsonl" "$OUT/profile.jsonl"   # the benchmarks append; start clean
 export PYTHONUNBUFFERED=1
 export MAX_JOBS="${MAX_JOBS:-16}"
 # A CPU-only build would "pass" and quietly skip every CUDA kernel: make it an error.
@@ -106,8 +135,13 @@ run_step() {
   local kind=$1 name=$2 cap=$3; shift 3
   local log="$OUT/$name.log" left=$(( BUDGET_S - SECONDS - KILL_AFTER )) limit=$cap status rc start secs cmd failed
   (( left < limit )) && limit=$left
-  if [[ $TESTS_ONLY == 1 && ! $name =~ ^(build|kernels|arch|tests_.*)$ ]]; then
+  if [[ $TESTS_ONLY == 1 && ! $name =~ ^(build|wheels|kernels|arch|tests_.*)$ ]]; then
     printf '[%3ds] %-16s skipped: GPU_CHECK_TESTS_ONLY\n' "$SECONDS" "$name"
+    STEP_NAMES+=("$name") STEP_STATUS+=("skipped") STEP_RC+=("-") STEP_SECS+=(0) STEP_CAPS+=("$cap")
+    return 0
+  fi
+  if [[ $DRY_RUN == 1 && $name =~ $GPU_ONLY ]]; then
+    printf '[%3ds] %-16s skipped: dry run (needs a GPU)\n' "$SECONDS" "$name"
     STEP_NAMES+=("$name") STEP_STATUS+=("skipped") STEP_RC+=("-") STEP_SECS+=(0) STEP_CAPS+=("$cap")
     return 0
   fi
@@ -155,6 +189,20 @@ optional_step() { run_step optional "$@"; }
 # the build's budget on retries.
 step build 150 "$PY" -m pip install --no-build-isolation --no-deps --no-index --disable-pip-version-check -e .
 echo "build: rc ${STEP_RC[-1]}, ${STEP_SECS[-1]} s" >>"$OUT/env.txt"
+
+# speculators and what it needs, from wheels carried with the tree (no network there).
+# The dry run builds that wheelhouse for the GPU machine's Python instead (its size held)
+# and checks the same resolution installed into a scratch environment here.
+if [[ $DRY_RUN == 1 ]]; then
+  step wheels 240 bash -c "'$PY' scripts/wheelhouse.py build --out '$SITE.whl' && '$PY' scripts/wheelhouse.py check --wheels '$SITE.whl'"
+elif compgen -G ".whl/*.whl" >/dev/null; then
+  rm -rf "$SITE"
+  step wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --upgrade --target "$SITE" .whl/*.whl
+  # the packages ahead of the image's; their commands (speculators, automodel) on the PATH
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+  grep -h -E '^(speculators|nemo)' .whl/MANIFEST.txt 2>/dev/null | head -n 2 | sed 's/^/wheels: /' >>"$OUT/env.txt"
+fi
 step kernels 30 "$PY" -c "
 import torch
 from dflash2_kernels._extension import EXTENSION_ERROR, has_kernel
@@ -188,12 +236,46 @@ if "$PY" -c "import xdist" 2>/dev/null; then
   GPU_WORKERS=(-n 4) REST_WORKERS=(-n 12)
 fi
 step tests_gpu 120 "${PYTEST[@]}" "${GPU_WORKERS[@]}" -m gpu
-step tests_rest 120 "${PYTEST[@]}" "${REST_WORKERS[@]}" -m "not gpu"
 
-step bench_conv 50 "$PY" benchmarks/bench_conv.py --no-compile --out "$OUT/bench.jsonl"
-step bench_selector 50 "$PY" benchmarks/bench_selector.py --no-compile --out "$OUT/bench.jsonl"
-step bench_serving 60 "$PY" benchmarks/bench_serving.py --no-compile --out "$OUT/bench.jsonl"
-step bench_head 150 "$PY" benchmarks/bench_head.py --no-compile --out "$OUT/bench.jsonl"
+# Three times per call in every row (call, host, device) and each case's per-kernel
+# profile into profile.jsonl (benchmarks/common.py); the dry run's are the CPU's kernels
+# at the --quick shapes.
+BENCH=(--no-compile --out "$OUT/bench.jsonl" --profile "$OUT/profile.jsonl")
+STEP_ARGS=(--head --trainers speculators --drafter qwen3-8b --no-anchor-search)
+if [[ $DRY_RUN == 1 ]]; then
+  BENCH+=(--quick --max-reps 3)
+  STEP_ARGS=(--quick)  # the CPU's training step (the drafter's shape is tens of GB in fp32)
+fi
+step bench_conv 50 "$PY" benchmarks/bench_conv.py "${BENCH[@]}"
+step bench_selector 50 "$PY" benchmarks/bench_selector.py "${BENCH[@]}"
+step bench_serving 60 "$PY" benchmarks/bench_serving.py "${BENCH[@]}"
+step bench_head 150 "$PY" benchmarks/bench_head.py "${BENCH[@]}"
+step bench_step 90 "$PY" benchmarks/bench_step.py "${STEP_ARGS[@]}" "${BENCH[@]}"
+step profile_tables 20 "$PY" benchmarks/profile_report.py --records "$OUT/profile.jsonl"
+
+# The tools, where the machine's runtime allows them (KINDS.md: Firecracker yes, gVisor
+# no): a missing tool is a skip, a refusal stays in the log (the summary shows its tail).
+NCU_METRICS=dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_achieved_occupancy.avg.pct_of_peak_sustained_active,gpu__time_duration.sum
+# tool_step NAME CAP TOOL CMD...: CMD as an optional step where TOOL is on the PATH.
+tool_step() {
+  local name=$1 cap=$2 tool=$3; shift 3
+  if ! command -v "$tool" >/dev/null; then
+    printf '[%3ds] %-16s skipped: %s not found\n' "$SECONDS" "$name" "$tool"
+    STEP_NAMES+=("$name") STEP_STATUS+=("skipped: no $tool") STEP_RC+=("-") STEP_SECS+=(0) STEP_CAPS+=("$cap")
+    return 0
+  fi
+  optional_step "$name" "$cap" "$@"
+}
+# --once: one call of each case at its published shape; -c caps the profiled launches.
+tool_step ncu 75 ncu ncu --clock-control none --target-processes all -k 'regex:_kernel$' -c 120 \
+  --metrics "$NCU_METRICS" --csv "$PY" benchmarks/traffic.py --gpu --once
+SANITIZED_TESTS=(tests/test_selector_gpu.py tests/test_serving_gpu.py)
+tool_step memcheck 60 compute-sanitizer env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+  --target-processes all --error-exitcode 3 "$PY" -m pytest -q -x -p no:cacheprovider "${SANITIZED_TESTS[@]}"
+tool_step racecheck 60 compute-sanitizer compute-sanitizer --tool racecheck --target-processes all --error-exitcode 3 \
+  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_serving_gpu.py
+
+optional_step tests_rest 120 "${PYTEST[@]}" "${REST_WORKERS[@]}" -m "not gpu"
 
 # FSDP2 on the GPU without NCCL: a 1-rank gloo process group, FSDP2's per-layer + root
 # sharding as speculators applies it (apply_fully_sharded), the patched tiny drafter of
@@ -311,12 +393,12 @@ def show(rows, target=""):
     ms = ours["timing"]["median_ms"]
     took = f"{ms * 1e3:7.1f} us" if ms < 0.1 else f"{ms:7.3f} ms"
     line = f"  {ours['bench']:8} {ours['case']:44} {ours['impl']} {took} {ours['pct_copy_bw']:5.1f}% copy"
-    device = (ours.get("extra") or {}).get("device_ms")
-    if device:  # the device's share (bench_head): ratios of device times
-        line += f" (device {device:.2f} ms)"
+    device = ours["timing"].get("device_ms")
+    if device:  # ratios of device times where both have one
+        line += f" (device {device * 1e3:.1f} us)" if device < 0.1 else f" (device {device:.3f} ms)"
     for r in rows:
         if r is not ours:
-            other = (r.get("extra") or {}).get("device_ms") if device else None
+            other = r["timing"].get("device_ms") if device else None
             line += f" | {(other or r['timing']['median_ms']) / (device if other else ms):5.2f}x {r['impl']}"
     print(line + (f"   [target {target}]" if target else ""))
 
@@ -343,6 +425,30 @@ if not main:
 PYTHON
 }
 
+# ncu_table LOG: ncu's --csv rows grouped by kernel, or the refusal ncu printed.
+ncu_table() {
+  timeout 30 "$PY" - "$1" <<'PYTHON'
+import csv, sys
+rows = [r for r in csv.reader(line for line in open(sys.argv[1], errors="replace") if line.startswith('"'))]
+if not rows or "Metric Name" not in rows[0]:
+    print("  no ncu rows; its log ends:")
+    print("".join("    " + l for l in open(sys.argv[1], errors="replace").readlines()[-4:]), end="")
+    raise SystemExit
+head, kernels = rows[0], {}
+name, metric, value, ident = (head.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value", "ID"))
+for r in rows[1:]:
+    entry = kernels.setdefault(r[name].split("(")[0][:48], {})
+    try:
+        entry.setdefault(r[metric], []).append(float(r[value].replace(",", "")))
+    except ValueError:
+        pass
+    entry.setdefault("ids", set()).add(r[ident])
+for kernel, m in kernels.items():
+    mean = lambda key: sum(v) / len(v) if (v := next((m[k] for k in m if k.startswith(key)), None)) else float("nan")
+    print(f"  {kernel:48} {len(m['ids']):4d} {mean('dram__throughput'):6.1f} {mean('sm__warps_achieved'):6.1f}")
+PYTHON
+}
+
 summary() {
   local i name log
   echo "== gpu_check summary: commit ${DFLASH2_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}, $SECONDS s (budget $BUDGET_S s), logs in $OUT =="
@@ -362,6 +468,11 @@ summary() {
   if [[ -f $OUT/bench_serving.log ]] && grep -q '^# targets' "$OUT/bench_serving.log"; then
     sed -n '/^# targets/,$p' "$OUT/bench_serving.log" | sed 's/^# /serving /'
   fi
+  [[ -f $OUT/ncu.log ]] && { echo "ncu (per kernel: launches, mean DRAM % of peak, mean achieved occupancy %):"; ncu_table "$OUT/ncu.log"; }
+  for log in "$OUT/memcheck.log" "$OUT/racecheck.log"; do
+    [[ -f $log ]] && grep -h -E '(ERROR|RACECHECK) SUMMARY|Device not supported|error 999|^=+ (passed|failed)|[0-9]+ (passed|failed)' "$log" \
+      | tail -n 3 | sed "s/^/$(basename "$log" .log): /"
+  done
   if (( ${#required_failed[@]} )); then
     echo "result: FAILED (${required_failed[*]})"
   else
@@ -374,5 +485,15 @@ summary 2>&1 | tee "$OUT/summary.txt"
 # The device tool brings back at most 8 files from $OUT: the step logs travel as one archive.
 if compgen -G "$OUT/*.log" >/dev/null; then
   tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls ./*.log) && rm -f "$OUT"/*.log
+fi
+# A dry run checks what a GPU run would bring back: the files, their count, the profile.
+if [[ $DRY_RUN == 1 ]]; then
+  kept=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+  if (( kept > 8 )) || [[ ! -s $OUT/summary.txt || ! -s $OUT/logs.tgz || ! -s $OUT/profile.jsonl ]]; then
+    echo "dry run: FAILED: $kept files under $OUT (at most 8), summary.txt, logs.tgz and profile.jsonl must not be empty"
+    ls -la "$OUT"
+    exit 1
+  fi
+  echo "dry run: $kept files under $OUT, $(wc -l <"$OUT/profile.jsonl") profile records"
 fi
 (( ${#required_failed[@]} == 0 ))

@@ -118,7 +118,7 @@ def test_peak_memory_is_a_tenth_of_the_dense_heads(counted, name):
 def test_model_time_within_the_gpu_target(counted, name):
     """The H200 model (not a measurement) of the trainers' defaults against issue 37's GPU
     target: GEMM floor / ours >= 0.8 and no slower than the dense head; the table in
-    docs/BENCHMARKS.md is benchmarks/whole_call.head_markdown of the same counts."""
+    docs/MODELS.md is benchmarks/whole_call.head_markdown of the same counts."""
     from traffic_minimum import MATMUL_FLOPS_PER_S
 
     ours, dense = counted[name], counted[whole_call.SCENARIOS[name].dense]

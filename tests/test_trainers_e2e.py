@@ -325,6 +325,13 @@ def test_nemo_console_losses(trainer_runs):
 # --- the commands themselves, on a GPU --------------------------------------------------
 
 
+def console_script(name: str) -> str:
+    """An installed command: beside this Python's executable (a venv), else on the PATH (a
+    ``pip install --target`` directory's bin/, as scripts/gpu_check.sh installs wheels)."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else (shutil.which(name) or str(beside))
+
+
 @pytest.mark.gpu
 @needs("speculators")
 def test_speculators_train_command_on_gpu(workdir):
@@ -335,7 +342,7 @@ def test_speculators_train_command_on_gpu(workdir):
     data_path = workdir / "speculators_data"
     if not data_path.exists():
         data.speculators_data(data_path, workdir / "verifier")
-    speculators = str(Path(sys.executable).with_name("speculators"))
+    speculators = console_script("speculators")
 
     def argv(save: str, epochs: int) -> list[str]:
         args = speculators_argv(workdir, workdir / "gpu" / save, epochs)
@@ -363,7 +370,7 @@ def test_nemo_automodel_command_on_gpu(workdir):
     (workdir / "nemo").mkdir(exist_ok=True)
     if not (workdir / "chat.jsonl").exists():
         data.nemo_data(workdir / "chat.jsonl")
-    automodel = str(Path(sys.executable).with_name("automodel"))
+    automodel = console_script("automodel")
 
     def config(name: str, resume: str | None = None) -> str:
         path = nemo_config(workdir, f"gpu_{name}", resume=f"gpu_{resume}" if resume else None)
