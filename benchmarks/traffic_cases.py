@@ -85,7 +85,7 @@ def conv_forward_case(dtype: torch.dtype, hidden: int) -> Callable:
             ours=lambda: conv_forward_triton(x, delta, base, BLOCK_SIZE, out_dtype),
             reference=lambda: reference.grouped_dynamic_conv(x, delta, base, block_size=BLOCK_SIZE,
                                                              group_size=GROUP_SIZE),
-            minimum=lambda out: minimum.conv_forward(x, delta, base, base.to(x.dtype), out, BLOCK_SIZE),
+            minimum=lambda out: minimum.conv_forward(x, delta, base, out, BLOCK_SIZE),
             kernels=("grouped_dynamic_conv_fwd_kernel",))
     return make
 
@@ -101,15 +101,32 @@ def conv_backward_plan(plan_rows: int, hidden: int):
     from dflash2_kernels.conv import launch
 
     tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, backward=True)
-    row_tiles = -(-plan_rows // tiles.block_n)
-    steps = min(launch._MAX_ROW_STEPS, max(1, -(-row_tiles * tiles.col_tiles(hidden // GROUP_SIZE)
-                                                // H200_PROGRAMS)))
+    steps = _h200_row_steps(plan_rows, hidden)
     saved = launch._target_programs, launch._MAX_ROW_STEPS
     launch._target_programs, launch._MAX_ROW_STEPS = (lambda device: 1), steps
     try:
         yield steps * tiles.block_n
     finally:
         launch._target_programs, launch._MAX_ROW_STEPS = saved
+
+
+def _h200_row_steps(plan_rows: int, hidden: int) -> int:
+    """The row steps a backward program takes on an H200 at ``plan_rows`` rows."""
+    from dflash2_kernels.conv import launch
+
+    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, backward=True)
+    row_tiles = -(-plan_rows // tiles.block_n)
+    return min(launch._MAX_ROW_STEPS, max(1, -(-row_tiles * tiles.col_tiles(hidden // GROUP_SIZE) // H200_PROGRAMS)))
+
+
+def conv_backward_chunks(rows: int, hidden: int, plan_rows: int | None) -> int:
+    """The dbase partials (row chunks) of a backward over ``rows`` rows under conv_backward_plan."""
+    from dflash2_kernels.conv import launch
+
+    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, backward=True)
+    row_tiles = -(-rows // tiles.block_n)
+    steps = min(_h200_row_steps(plan_rows or rows, hidden), max(1, row_tiles * tiles.col_tiles(hidden // GROUP_SIZE)))
+    return -(-row_tiles // steps)
 
 
 def conv_backward_case(dtype: torch.dtype, hidden: int, plan_rows: int | None = None) -> Callable:
@@ -143,8 +160,10 @@ def conv_backward_case(dtype: torch.dtype, hidden: int, plan_rows: int | None = 
         return CaseRun(
             ours=ours,
             reference=reference_backward,
-            minimum=lambda grads: minimum.conv_backward(dy, x, delta, base, base.to(x.dtype), *grads, BLOCK_SIZE),
-            kernels=("grouped_dynamic_conv_bwd_kernel",), prepare_reference=prepare)
+            minimum=lambda grads: minimum.conv_backward(dy, x, delta, base, *grads, BLOCK_SIZE,
+                                                        chunks=conv_backward_chunks(rows, hidden, plan_rows)),
+            kernels=("grouped_dynamic_conv_bwd_kernel", "grouped_dynamic_conv_dbase_kernel"),
+            prepare_reference=prepare)
     return make
 
 

@@ -85,6 +85,8 @@ BUDGETS = {
         requested=1.6,
         why="each of the K = 2 taps loads its own shifted copy of x (row n - tap): x is requested twice, the "
             "second time from the L1/L2"),
+    "grouped_dynamic_conv_dbase_kernel": Budget(
+        why="reads each fp64 partial once and writes dbase: its minimum"),
     "grouped_dynamic_conv_bwd_kernel": Budget(
         requested=1.7,
         why="dx gathers dy and delta of row m + tap and ddelta reads x of row n - tap: dy and x are requested "
@@ -227,26 +229,29 @@ class Minimum:
     kernels: dict  # kernel key -> bytes
 
 
-def conv_forward(x, delta, base, base_x, out, block_size) -> Minimum:
-    """out = sum_tau (base_x[tau] + delta[:, tau]) * x[n - tau]: x, the delta entries of taps
-    inside a block, base and out, once. The launcher casts base to x's dtype first (base_x)."""
+def conv_forward(x, delta, base, out, block_size) -> Minimum:
+    """out = sum_tau (round(base[tau]) + delta[:, tau]) * x[n - tau]: x, the delta entries of
+    taps inside a block, base and out, once (the kernel rounds base to x's dtype as it loads it)."""
     rows = x.shape[0]
     taps, groups = delta.shape[1], delta.shape[2]
     used_delta = sum(_rows_reached(rows, block_size, tap) for tap in range(taps)) * groups * delta.element_size()
     common = nbytes(x) + used_delta + nbytes(out)
-    return Minimum(common + nbytes(base), {"grouped_dynamic_conv_fwd_kernel": common + nbytes(base_x)})
+    return Minimum(common + nbytes(base), {"grouped_dynamic_conv_fwd_kernel": common + nbytes(base)})
 
 
-def conv_backward(dy, x, delta, base, base_x, dx, ddelta, dbase, block_size) -> Minimum:
+def conv_backward(dy, x, delta, base, dx, ddelta, dbase, block_size, chunks: int = 1) -> Minimum:
     """dx, ddelta, dbase from dy, x, the used delta entries and base: each once (ddelta and
-    dbase written whole). The kernel writes dbase as fp64 partials per row chunk, one of
-    which is its minimum."""
+    dbase written whole). The gradient kernel writes dbase as fp64 partials per row chunk,
+    one of which is its minimum; the dbase kernel reads the ``chunks`` partials once and
+    writes dbase."""
     rows = x.shape[0]
     taps, groups = delta.shape[1], delta.shape[2]
     used_delta = sum(_rows_reached(rows, block_size, tap) for tap in range(taps)) * groups * delta.element_size()
     common = nbytes(dy) + nbytes(x) + used_delta + nbytes(dx) + nbytes(ddelta)
-    kernel = common + nbytes(base_x) + base.numel() * 8
-    return Minimum(common + nbytes(base) + nbytes(dbase), {"grouped_dynamic_conv_bwd_kernel": kernel})
+    kernel = common + nbytes(base) + base.numel() * 8
+    reduce = chunks * base.numel() * 8 + base.numel() * base.element_size()
+    return Minimum(common + nbytes(base) + base.numel() * base.element_size(),
+                   {"grouped_dynamic_conv_bwd_kernel": kernel, "grouped_dynamic_conv_dbase_kernel": reduce})
 
 
 def _selector_rows(projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids) -> int:

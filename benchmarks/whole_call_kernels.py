@@ -109,8 +109,7 @@ def _copy_if_strided(tensor: torch.Tensor | None, *, when: bool = True) -> list[
 @triton_kernel("grouped_dynamic_conv_fwd_kernel")
 def _conv_forward(launch) -> tuple[int, int]:
     a = launch.args
-    need = minimum.conv_forward(a["x_ptr"], a["delta_ptr"], a["base_ptr"], a["base_ptr"], a["out_ptr"],
-                                a["block_size"])
+    need = minimum.conv_forward(a["x_ptr"], a["delta_ptr"], a["base_ptr"], a["out_ptr"], a["block_size"])
     key = "grouped_dynamic_conv_fwd_kernel"
     return _budgeted(key, need.kernels[key], nbytes(a["out_ptr"]), nbytes(a["out_ptr"]))
 
@@ -119,12 +118,19 @@ def _conv_forward(launch) -> tuple[int, int]:
 def _conv_backward(launch) -> tuple[int, int]:
     a = launch.args
     dx, ddelta, partials = a["dx_ptr"], a["ddelta_ptr"], a["dbase_partial_ptr"]
-    need = minimum.conv_backward(a["dy_ptr"], a["x_ptr"], a["delta_ptr"], a["base_ptr"], a["base_ptr"], dx,
-                                 ddelta[0], None, a["block_size"])
+    need = minimum.conv_backward(a["dy_ptr"], a["x_ptr"], a["delta_ptr"], a["base_ptr"], dx, ddelta[0], None,
+                                 a["block_size"])
     key = "grouped_dynamic_conv_bwd_kernel"
     # The minimum writes one fp64 dbase partial; the launch writes one per row chunk.
     minimum_writes = nbytes(dx) + nbytes(ddelta[0]) + partials[0].numel() * 8
     return _budgeted(key, need.kernels[key], minimum_writes, nbytes(dx) + nbytes(ddelta) + nbytes(partials))
+
+
+@triton_kernel("grouped_dynamic_conv_dbase_kernel")
+def _conv_dbase(launch) -> tuple[int, int]:
+    a = launch.args
+    partials, dbase = a["partial_ptr"], a["dbase_ptr"]
+    return nbytes(partials), nbytes(dbase)
 
 
 # --- the selector (csrc/selector_cuda.cpp, csrc/kernels/selector_kernels.cu) ------------------

@@ -107,12 +107,23 @@ def _public_conv_with_grads(x, delta, base, block_size, group_size, dy):
     return (out.detach(), *torch.autograd.grad(out, leaves, dy))
 
 
-@pytest.mark.skipif(not ops._cpu_kernel_available(), reason="the C++ CPU kernels are not built")
+EAGER_ROUTES = [
+    pytest.param("auto", "cpu", "cpu", id="cpu-kernels",
+                 marks=pytest.mark.skipif(not ops._cpu_kernel_available(), reason="the C++ CPU kernels are not built")),
+    pytest.param("triton", "cuda" if HAS_CUDA else "cpu", "triton", id="triton",
+                 marks=pytest.mark.skipif(not HAS_CUDA and not KERNELS_INTERPRETED, reason=INTERPRETER_SKIP_REASON)),
+]
+
+
+@pytest.mark.parametrize("backend,device,kernels", EAGER_ROUTES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_eager_cpu_path_equals_the_custom_op(dtype):
-    """In eager mode the public function skips the custom op's dispatch (ops._EagerCpuConv);
-    under a dispatch mode it takes the custom op. Both must give the same bits."""
+def test_eager_path_equals_the_custom_op(backend, device, kernels, dtype, monkeypatch):
+    """In eager mode the public function skips the custom op's dispatch (ops._EagerConv,
+    on the C++ CPU kernels or the Triton launchers); under a dispatch mode it takes the
+    custom op. Both must give the same bits."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    _select(backend, monkeypatch)
 
     class SeenOps(TorchDispatchMode):
         def __init__(self):
@@ -123,8 +134,11 @@ def test_eager_cpu_path_equals_the_custom_op(dtype):
             self.names.add(func._schema.name)
             return func(*args, **(kwargs or {}))
 
-    x, delta, base, block_size, group_size = _op_args("cpu", dtype, requires_grad=False)
-    dy = torch.randn(x.shape, dtype=dtype)
+    x, delta, base, block_size, group_size = _op_args(device, dtype, requires_grad=False)
+    # speculators' form: a base wider than the activations, rounded inside the kernels
+    base = base.float()
+    dy = torch.randn(x.shape, dtype=dtype).to(device)
+    assert ops._eager_kernels(x, delta, base) == kernels
     eager = _public_conv_with_grads(x, delta, base, block_size, group_size, dy)
     with SeenOps() as seen:
         through_op = _public_conv_with_grads(x, delta, base, block_size, group_size, dy)

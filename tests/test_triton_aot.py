@@ -147,7 +147,7 @@ def _assert_fits(arch: int, config, kernel: str, found: dict) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
-@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("kernel", ["forward", "backward", "dbase"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"H{c[0]}-gs{c[1]}-K{c[2]}-{'-'.join(c[3])}")
 def test_conv_compiles_within_each_architectures_limits(usage, config, kernel, arch):
     _assert_fits(arch, config, kernel, usage)

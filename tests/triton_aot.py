@@ -68,19 +68,20 @@ def resource_usage(compiled, num_warps: int) -> dict[str, int]:
 
 
 def conv_plans(hidden: int, group_size: int, taps: int, dtypes: list[str], rows: int = 4096) -> dict:
-    """The forward and backward launches the conv launchers plan for one configuration."""
+    """The forward, backward and dbase launches the conv launchers plan for one configuration."""
     from dflash2_kernels.conv import launch
 
     x_dtype, delta_dtype, base_dtype = (getattr(torch, name) for name in dtypes)
     x = torch.empty(rows, hidden, dtype=x_dtype, device="meta")
     delta = torch.empty(rows, 2, taps, hidden // group_size, dtype=delta_dtype, device="meta")[:, 1]
-    base_x = torch.empty(taps, hidden, dtype=base_dtype, device="meta").to(x_dtype)
+    base = torch.empty(taps, hidden, dtype=base_dtype, device="meta")
     out_dtype = torch.promote_types(x_dtype, delta_dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device="meta")
-    forward = launch.plan_conv_forward(x, delta, base_x, out, block_size=8)
-    acc = launch.accumulator_dtype(out, x, delta, base_x)
-    backward, *_ = launch.plan_conv_backward(out, x, delta, base_x, 8, acc)
-    return {"forward": forward, "backward": backward}
+    forward = launch.plan_conv_forward(x, delta, base, out, block_size=8)
+    acc = launch.accumulator_dtype(out, x, delta, base)
+    backward, _, _, partials = launch.plan_conv_backward(out, x, delta, base, 8, acc)
+    dbase = launch.plan_conv_dbase(partials, torch.empty(base.shape, dtype=base_dtype, device="meta"))
+    return {"forward": forward, "backward": backward, "dbase": dbase}
 
 
 def head_plans(weight: str, logits: str, loss_mask: int, target: bool, labels: bool, softcap: bool, top_k: int,

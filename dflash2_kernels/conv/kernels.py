@@ -7,10 +7,27 @@ axis; it works for any group size (BLOCK_J is the next power of two, capped, and
 group wider than the cap is split over J_TILES tiles whose fp32 partials the launcher
 adds). Programs are numbered on one grid axis (row tile major, channel tile minor),
 so no grid axis can overflow, and row indices are int64 from the start.
+
+speculators rounds the base kernel to the hidden dtype before use; the kernels do that
+rounding as they load it (ROUND_BASE: base's dtype is not x's), bf16 by hand as the
+head's kernels store it (the Triton interpreter truncates fp32 -> bf16 casts), so that a
+call is one launch with no [K, H] cast before it.
 """
 
 import triton
 import triton.language as tl
+
+from ..head.kernel_math import stored_as
+
+
+@triton.jit
+def _base_row(base_ptr, tap, stride_base_tap, channels, col_ok, x_ptr, ROUND_BASE: tl.constexpr,
+              ACC_DTYPE: tl.constexpr):
+    """Tap ``tap`` of the base kernel at ``channels``, rounded to x's dtype, in ACC_DTYPE."""
+    base = tl.load(base_ptr + tap * stride_base_tap + channels, mask=col_ok, other=0.0)
+    if ROUND_BASE:
+        base = stored_as(base, x_ptr.dtype.element_ty)
+    return base.to(ACC_DTYPE)
 
 
 @triton.jit
@@ -39,7 +56,7 @@ def _conv_tile(
 def grouped_dynamic_conv_fwd_kernel(
     x_ptr,  # [N, H] rows at stride_x_row, unit channel stride
     delta_ptr,  # [N, K, G] at (stride_delta_row, stride_delta_tap, 1)
-    base_ptr,  # [K, H] at (stride_base_tap, 1), already in x's dtype
+    base_ptr,  # [K, H] at (stride_base_tap, 1), any float dtype (ROUND_BASE: rounded to x's)
     out_ptr,  # [N, H] at (stride_out_row, 1), dtype promote(x, delta)
     n_rows,
     num_groups,
@@ -53,6 +70,7 @@ def grouped_dynamic_conv_fwd_kernel(
     KERNEL_SIZE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    ROUND_BASE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_J: tl.constexpr,
@@ -74,7 +92,7 @@ def grouped_dynamic_conv_fwd_kernel(
             mask=reads & (groups < num_groups),
             other=0.0,
         )
-        base = tl.load(base_ptr + tap * stride_base_tap + channels, mask=col_ok, other=0.0).to(ACC_DTYPE)
+        base = _base_row(base_ptr, tap, stride_base_tap, channels, col_ok, x_ptr, ROUND_BASE, ACC_DTYPE)
         acc += (base + delta.to(ACC_DTYPE)) * x.to(ACC_DTYPE)
 
     tl.store(
@@ -89,7 +107,7 @@ def grouped_dynamic_conv_bwd_kernel(
     dy_ptr,  # [N, H] at (stride_dy_row, 1), dtype promote(x, delta)
     x_ptr,  # [N, H] at (stride_x_row, 1)
     delta_ptr,  # [N, K, G] at (stride_delta_row, stride_delta_tap, 1)
-    base_ptr,  # [K, H] at (stride_base_tap, 1), already in x's dtype
+    base_ptr,  # [K, H] at (stride_base_tap, 1), any float dtype (ROUND_BASE: rounded to x's)
     dx_ptr,  # [N, H] contiguous, x's dtype
     ddelta_ptr,  # [J_TILES, N, K, G] contiguous: delta's dtype, or fp32 when J_TILES > 1
     dbase_partial_ptr,  # [n_row_chunks, K, H] fp64 contiguous
@@ -108,6 +126,7 @@ def grouped_dynamic_conv_bwd_kernel(
     KERNEL_SIZE_POW2: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    ROUND_BASE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_J: tl.constexpr,
@@ -115,7 +134,8 @@ def grouped_dynamic_conv_bwd_kernel(
     """One pass for all three gradients over a chunk of row_steps x BLOCK_N rows.
 
     dbase is reduced over the chunk in registers and written as this program's own
-    partial (no atomics), so the launcher's sum over chunks is deterministic. Each row
+    partial (no atomics), so the sum over chunks (grouped_dynamic_conv_dbase_kernel) is
+    deterministic. Each row
     step's term is a tree sum of its BLOCK_N rows in ACC_DTYPE; the steps add up in
     fp64: an fp32 running sum loses accuracy with every step (one program taking 16k
     rows misses SPEC section 4 by 2x), and one fp64 add per step costs next to nothing.
@@ -144,7 +164,7 @@ def grouped_dynamic_conv_bwd_kernel(
         dx = tl.zeros((BLOCK_N, BLOCK_G, BLOCK_J), dtype=ACC_DTYPE)
         step_dbase = tl.zeros((KERNEL_SIZE_POW2, BLOCK_G, BLOCK_J), dtype=ACC_DTYPE)
         for tap in tl.static_range(KERNEL_SIZE):
-            base = tl.load(base_ptr + tap * stride_base_tap + channels, mask=col_ok, other=0.0).to(ACC_DTYPE)
+            base = _base_row(base_ptr, tap, stride_base_tap, channels, col_ok, x_ptr, ROUND_BASE, ACC_DTYPE)
 
             # dx[m] gathers output row m + tap, when that row reads back into m's block.
             if tap == 0:
@@ -193,3 +213,21 @@ def grouped_dynamic_conv_bwd_kernel(
         dbase_acc.to(dbase_partial_ptr.dtype.element_ty),
         mask=(taps < KERNEL_SIZE) & col_ok,
     )
+
+
+@triton.jit
+def grouped_dynamic_conv_dbase_kernel(
+    partial_ptr,  # [n_chunks, K * H] fp64 contiguous: the backward's per-chunk dbase
+    dbase_ptr,  # [K * H] contiguous, base's dtype
+    n_chunks,
+    numel,
+    BLOCK: tl.constexpr,
+):
+    """dbase = the chunks' partials summed in chunk order in fp64, rounded once to base's
+    dtype: deterministic, and one launch where a PyTorch sum and a cast were two."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = cols < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float64)
+    for chunk in range(n_chunks):
+        total += tl.load(partial_ptr + chunk * numel + cols, mask=in_range, other=0.0)
+    tl.store(dbase_ptr + cols, stored_as(total, dbase_ptr.dtype.element_ty), mask=in_range)

@@ -1,22 +1,24 @@
 """Launchers of the conv's Triton kernels: tile choice, buffers, grids.
 
 Inputs arrive flattened and validated by ``ops.py``: x ``[N, H]``, delta ``[N, K, G]``,
-base ``[K, H]``, each with a unit last stride and any row stride. speculators rounds
-the base kernel to the hidden dtype before use; the launchers do that rounding here
-(a [K, H] cast, free when the dtypes already agree) rather than in the kernels,
-because the Triton interpreter truncates in-kernel fp32 -> bf16 casts.
+base ``[K, H]``, each with a unit last stride and any row stride. A forward is one
+launch (the kernels round the base to x's dtype as they load it); a backward is two (the
+gradients, then the deterministic sum of the dbase partials in base's dtype), more only
+where a group spans several channel tiles or the sums run in fp64 for 16-bit results.
+What depends on the shape alone (tiles, grid, constexprs) is computed once per shape:
+an eager call's Python time is the cost at serving sizes, where a kernel takes microseconds.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
-from .kernels import grouped_dynamic_conv_bwd_kernel, grouped_dynamic_conv_fwd_kernel
+from .._launch_math import cdiv, next_power_of_2
+from .kernels import grouped_dynamic_conv_bwd_kernel, grouped_dynamic_conv_dbase_kernel, grouped_dynamic_conv_fwd_kernel
 
 # Under TRITON_INTERPRET=1, triton.jit hands back an interpreter object instead of a
 # compiled kernel; which one we got is what decides whether CPU tensors can run here.
@@ -28,6 +30,7 @@ _TILE_CHANNELS = 256
 _FWD_TILE_ELEMENTS = 4096
 _BWD_TILE_ELEMENTS = 2048
 _MAX_ROW_STEPS = 64
+_DBASE_BLOCK = 1024
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -43,8 +46,16 @@ class KernelLaunch:
     num_warps: int
 
     def run(self, device_of: torch.Tensor) -> None:
-        with _device_guard(device_of):
-            self.kernel[(self.programs,)](**self.args, **self.constexprs, num_warps=self.num_warps)
+        # Triton launches on the current CUDA device; a guard (~5 us) only where the
+        # tensors live on another one.
+        if device_of.is_cuda and device_of.device.index != torch.cuda.current_device():
+            with torch.cuda.device(device_of.device):
+                self._launch()
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
+        self.kernel[(self.programs,)](**self.args, **self.constexprs, num_warps=self.num_warps)
 
 
 @dataclass(frozen=True)
@@ -58,33 +69,27 @@ class ConvTiles:
     num_warps: int
 
     def col_tiles(self, num_groups: int) -> int:
-        return triton.cdiv(num_groups, self.block_g) * self.j_tiles
+        return cdiv(num_groups, self.block_g) * self.j_tiles
 
 
+@functools.lru_cache(maxsize=None)
 def conv_tiles(num_groups: int, group_size: int, *, backward: bool) -> ConvTiles:
     """Tile shape for a hidden size of ``num_groups * group_size`` channels.
 
     About 256 channels wide (contiguous when the group size is a power of two) and
     4096 (forward) or 2048 (backward, which holds more live tiles) elements in all.
     """
-    block_j = min(triton.next_power_of_2(group_size), _MAX_BLOCK_J)
-    block_g = max(1, min(triton.next_power_of_2(num_groups), _TILE_CHANNELS // block_j))
+    block_j = min(next_power_of_2(group_size), _MAX_BLOCK_J)
+    block_g = max(1, min(next_power_of_2(num_groups), _TILE_CHANNELS // block_j))
     elements = _BWD_TILE_ELEMENTS if backward else _FWD_TILE_ELEMENTS
     block_n = max(1, min(64, elements // (block_g * block_j)))
     # Eight warps keep the backward's live tiles near 100 registers a thread on sm_90.
     num_warps = 8 if backward else 4
-    return ConvTiles(block_n, block_g, block_j, triton.cdiv(group_size, block_j), num_warps)
+    return ConvTiles(block_n, block_g, block_j, cdiv(group_size, block_j), num_warps)
 
 
 def accumulator_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _device_guard(tensor: torch.Tensor):
-    # Triton launches on the current CUDA device; tensors may live on another one.
-    if tensor.is_cuda:
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
 
 
 def _check_grid(programs: int) -> None:
@@ -96,32 +101,40 @@ def _check_grid(programs: int) -> None:
 
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * 8
+        return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) * 8
     # The interpreter: few programs, so small test shapes still take several row steps.
     return 4
 
 
+@functools.lru_cache(maxsize=None)  # a property query costs ~10 us a call
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def plan_conv_forward(
-    x: torch.Tensor, delta: torch.Tensor, base_x: torch.Tensor, out: torch.Tensor, block_size: int
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, out: torch.Tensor, block_size: int
 ) -> KernelLaunch:
-    """The forward launch writing out [N, H] from x [N, H], delta [N, K, G], base_x [K, H]."""
+    """The forward launch writing out [N, H] from x [N, H], delta [N, K, G], base [K, H]
+    (any float dtype: the kernel rounds it to x's, as speculators does before use)."""
     n_rows, hidden_size = x.shape
     kernel_size, num_groups = delta.shape[1], delta.shape[2]
     group_size = hidden_size // num_groups
     tiles = conv_tiles(num_groups, group_size, backward=False)
     n_col_tiles = tiles.col_tiles(num_groups)
-    programs = triton.cdiv(n_rows, tiles.block_n) * n_col_tiles
+    programs = cdiv(n_rows, tiles.block_n) * n_col_tiles
     _check_grid(programs)
     args = dict(
-        x_ptr=x, delta_ptr=delta, base_ptr=base_x, out_ptr=out,
+        x_ptr=x, delta_ptr=delta, base_ptr=base, out_ptr=out,
         n_rows=n_rows, num_groups=num_groups, block_size=block_size, n_col_tiles=n_col_tiles,
         stride_x_row=x.stride(0), stride_delta_row=delta.stride(0), stride_delta_tap=delta.stride(1),
-        stride_base_tap=base_x.stride(0), stride_out_row=out.stride(0),
+        stride_base_tap=base.stride(0), stride_out_row=out.stride(0),
     )
     constexprs = dict(
         KERNEL_SIZE=kernel_size,
         GROUP_SIZE=group_size,
-        ACC_DTYPE=_TL_DTYPES[accumulator_dtype(x, delta, base_x)],
+        # base counts as x's dtype: it is rounded to it first
+        ACC_DTYPE=_TL_DTYPES[accumulator_dtype(x, delta)],
+        ROUND_BASE=base.dtype != x.dtype,
         BLOCK_N=tiles.block_n,
         BLOCK_G=tiles.block_g,
         BLOCK_J=tiles.block_j,
@@ -130,9 +143,10 @@ def plan_conv_forward(
 
 
 def plan_conv_backward(
-    dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base_x: torch.Tensor, block_size: int, acc_dtype: torch.dtype
+    dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, acc_dtype: torch.dtype
 ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward launch and the buffers it writes: (launch, dx, ddelta splits, dbase partials).
+    base [K, H] in any float dtype (rounded to x's in the kernel).
 
     ddelta is [J_TILES, N, K, G]: delta's dtype when a group fits one channel tile,
     otherwise partials per tile in acc_dtype. dbase partials are [chunks, K, H] in fp64.
@@ -145,9 +159,9 @@ def plan_conv_backward(
     group_size = hidden_size // num_groups
     tiles = conv_tiles(num_groups, group_size, backward=True)
     n_col_tiles = tiles.col_tiles(num_groups)
-    row_tiles = triton.cdiv(n_rows, tiles.block_n)
-    row_steps = min(_MAX_ROW_STEPS, max(1, triton.cdiv(row_tiles * n_col_tiles, _target_programs(x.device))))
-    n_chunks = triton.cdiv(row_tiles, row_steps)
+    row_tiles = cdiv(n_rows, tiles.block_n)
+    row_steps = min(_MAX_ROW_STEPS, max(1, cdiv(row_tiles * n_col_tiles, _target_programs(x.device))))
+    n_chunks = cdiv(row_tiles, row_steps)
     programs = n_chunks * n_col_tiles
     _check_grid(programs)
 
@@ -156,24 +170,33 @@ def plan_conv_backward(
     ddelta = torch.empty((tiles.j_tiles, n_rows, kernel_size, num_groups), dtype=ddelta_dtype, device=x.device)
     dbase_partial = torch.empty((n_chunks, kernel_size, hidden_size), dtype=torch.float64, device=x.device)
     args = dict(
-        dy_ptr=dy, x_ptr=x, delta_ptr=delta, base_ptr=base_x,
+        dy_ptr=dy, x_ptr=x, delta_ptr=delta, base_ptr=base,
         dx_ptr=dx, ddelta_ptr=ddelta, dbase_partial_ptr=dbase_partial,
         n_rows=n_rows, hidden_size=hidden_size, num_groups=num_groups, block_size=block_size,
         n_col_tiles=n_col_tiles, row_steps=row_steps,
         stride_dy_row=dy.stride(0), stride_x_row=x.stride(0), stride_delta_row=delta.stride(0),
-        stride_delta_tap=delta.stride(1), stride_base_tap=base_x.stride(0),
+        stride_delta_tap=delta.stride(1), stride_base_tap=base.stride(0),
     )
     constexprs = dict(
         KERNEL_SIZE=kernel_size,
-        KERNEL_SIZE_POW2=triton.next_power_of_2(kernel_size),
+        KERNEL_SIZE_POW2=next_power_of_2(kernel_size),
         GROUP_SIZE=group_size,
         ACC_DTYPE=_TL_DTYPES[acc_dtype],
+        ROUND_BASE=base.dtype != x.dtype,
         BLOCK_N=tiles.block_n,
         BLOCK_G=tiles.block_g,
         BLOCK_J=tiles.block_j,
     )
     launch = KernelLaunch(grouped_dynamic_conv_bwd_kernel, programs, args, constexprs, tiles.num_warps)
     return launch, dx, ddelta, dbase_partial
+
+
+def plan_conv_dbase(dbase_partial: torch.Tensor, dbase: torch.Tensor) -> KernelLaunch:
+    """The launch summing dbase_partial [chunks, K, H] fp64 into dbase [K, H] (contiguous)."""
+    numel = dbase.numel()
+    args = dict(partial_ptr=dbase_partial, dbase_ptr=dbase, n_chunks=dbase_partial.shape[0], numel=numel)
+    return KernelLaunch(grouped_dynamic_conv_dbase_kernel, cdiv(numel, _DBASE_BLOCK), args,
+                        dict(BLOCK=_DBASE_BLOCK), 4)
 
 
 def _stored_dtype(result_dtype: torch.dtype, acc_dtype: torch.dtype) -> torch.dtype:
@@ -191,7 +214,7 @@ def conv_forward_triton(
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
-    plan_conv_forward(x, delta, base.to(x.dtype), out, block_size).run(x)
+    plan_conv_forward(x, delta, base, out, block_size).run(x)
     return out
 
 
@@ -206,8 +229,10 @@ def conv_backward_triton(
             torch.zeros(base.shape, dtype=base.dtype, device=x.device),
         )
     acc_dtype = accumulator_dtype(dy, x, delta, base)
-    launch, dx, ddelta, dbase_partial = plan_conv_backward(dy, x, delta, base.to(x.dtype), block_size, acc_dtype)
+    launch, dx, ddelta, dbase_partial = plan_conv_backward(dy, x, delta, base, block_size, acc_dtype)
     launch.run(x)
+    dbase = torch.empty(base.shape, dtype=base.dtype, device=x.device)
+    plan_conv_dbase(dbase_partial, dbase).run(x)
     ddelta = ddelta[0] if ddelta.shape[0] == 1 else ddelta.sum(0)
-    # In fp64 the order of the chunks' sum does not matter to fp32's accuracy, however many.
-    return dx.to(x.dtype), ddelta.to(delta.dtype), dbase_partial.sum(0).to(base.dtype)
+    # no-ops (no launch) but for fp64 sums of 16-bit results and groups wider than a tile
+    return dx.to(x.dtype), ddelta.to(delta.dtype), dbase

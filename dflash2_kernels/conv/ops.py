@@ -189,64 +189,86 @@ def _backward(ctx, grad_out):
 grouped_dynamic_conv_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- The eager CPU path ---------------------------------------------------------------
+# --- The eager path -------------------------------------------------------------------
 #
-# In eager mode on plain CPU tensors the public function calls the C++ kernels through
-# this autograd.Function instead of the custom op: the custom op's Python dispatch
-# (its autograd kernel, its CPU kernel, the checks again) cost ~50 us a call against
-# ~7 us for the kernel itself at a serving-size 64 x 256 conv. Anything that observes
-# or transforms ops (a dispatch mode such as FakeTensorMode or an op counter, functorch
+# In eager mode on plain tensors the public function calls the kernels (the C++ CPU ones,
+# or the Triton launchers on CUDA) through this autograd.Function instead of the custom
+# op: the custom op's Python dispatch (its autograd kernel, its device kernel, the checks
+# again) cost ~50 us a call against ~7 us for the CPU kernel itself at a serving-size
+# 64 x 256 conv, and 4 us for the GPU kernel at 256 x 5120. Anything that observes or
+# transforms ops (a dispatch mode such as FakeTensorMode or an op counter, functorch
 # transforms, torch.compile, tensor subclasses) still sees the custom op.
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_CPU, _TRITON = "cpu", "triton"
 
 
-def _eager_cpu_kernels(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> bool:
+def _eager_kernels(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> str | None:
+    """Which kernels an eager call on these (checked) tensors runs directly: "cpu",
+    "triton", or None for the custom op."""
     # is_compiling first: Dynamo folds it to True and traces none of the rest.
-    return (
-        not torch.compiler.is_compiling()
-        and x.device.type == "cpu"
-        and type(x) in _PLAIN_TENSORS and type(delta) in _PLAIN_TENSORS and type(base) in _PLAIN_TENSORS
-        and x.numel() > 0
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._are_functorch_transforms_active()
-        and _cpu_kernel_available()
-        and not _use_triton(x)
-    )
+    if (
+        torch.compiler.is_compiling()
+        or not (type(x) in _PLAIN_TENSORS and type(delta) in _PLAIN_TENSORS and type(base) in _PLAIN_TENSORS)
+        or x.numel() == 0
+        or torch._C._len_torch_dispatch_stack() != 0
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return None
+    if _use_triton(x):
+        return _TRITON
+    return _CPU if x.device.type == "cpu" and _cpu_kernel_available() else None
 
 
-def _cpu_forward(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The C++ forward on checked CPU operands (x non-empty), shaped as x."""
+def _kernel_forward(kernels: str, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """The forward on checked operands (x non-empty), shaped as x."""
     x2, d3, base2 = _flatten(x, delta, base)
-    out = torch.ops.dflash2.conv_forward_cpu.default(x2, d3, base2, block_size, torch.promote_types(x.dtype, delta.dtype))
+    out_dtype = torch.promote_types(x.dtype, delta.dtype)
+    if kernels == _TRITON:
+        from .launch import conv_forward_triton
+
+        out = conv_forward_triton(x2, d3, base2, block_size, out_dtype)
+    else:
+        out = torch.ops.dflash2.conv_forward_cpu.default(x2, d3, base2, block_size, out_dtype)
     return out if x.dim() == 2 else out.view(x.shape)
 
 
-class _EagerCpuConv(torch.autograd.Function):
-    """The conv on the C++ CPU kernels: arguments already checked, x non-empty. The
+def _kernel_backward(kernels: str, grad_out: torch.Tensor, x: torch.Tensor, delta: torch.Tensor,
+                     base: torch.Tensor, block_size: int):
+    """(dx, ddelta, dbase) on checked operands (x non-empty), shaped as x, delta, base."""
+    flat = _flatten_backward(grad_out, x, delta, base)
+    if kernels == _TRITON:
+        from .launch import conv_backward_triton
+
+        dx, ddelta, dbase = conv_backward_triton(*flat, block_size)
+    else:
+        dx, ddelta, dbase = torch.ops.dflash2.conv_backward_cpu.default(*flat, block_size)
+    return dx.view(x.shape), ddelta.view(delta.shape), dbase
+
+
+class _EagerConv(torch.autograd.Function):
+    """The conv on the kernels directly: arguments already checked, x non-empty. The
     classic ``forward(ctx, ...)`` form: ~5 us a call, where a separate setup_context
     costs ~17 us (functorch transforms, which need that form, take the custom op)."""
 
     @staticmethod
-    def forward(ctx, x, delta, base, block_size, group_size):
+    def forward(ctx, x, delta, base, block_size, group_size, kernels):
         ctx.save_for_backward(x, delta, base)
-        ctx.block_size = block_size
-        ctx.group_size = group_size
-        return _cpu_forward(x, delta, base, block_size)
+        ctx.block_size, ctx.group_size, ctx.kernels = block_size, group_size, kernels
+        return _kernel_forward(kernels, x, delta, base, block_size)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, delta, base = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True: the backward custom op, whose own backward raises (as on
-            # the custom op's path), where the raw op's results would silently not be
+            # the custom op's path), where the raw kernels' results would silently not be
             # differentiable.
-            return (*grouped_dynamic_conv_backward_op(grad_out, x, delta, base, ctx.block_size, ctx.group_size),
-                    None, None)
-        dx, ddelta, dbase = torch.ops.dflash2.conv_backward_cpu.default(
-            *_flatten_backward(grad_out, x, delta, base), ctx.block_size
-        )
-        return dx.view(x.shape), ddelta.view(delta.shape), dbase, None, None
+            grads = grouped_dynamic_conv_backward_op(grad_out, x, delta, base, ctx.block_size, ctx.group_size)
+        else:
+            grads = _kernel_backward(ctx.kernels, grad_out, x, delta, base, ctx.block_size)
+        return (*grads, None, None, None)
 
 
 def grouped_dynamic_conv(
@@ -273,11 +295,12 @@ def grouped_dynamic_conv(
     reference.check_grouped_dynamic_conv_args(
         hidden_states, delta_kernel, base_kernel, block_size, group_size
     )
-    if _eager_cpu_kernels(hidden_states, delta_kernel, base_kernel):
+    kernels = _eager_kernels(hidden_states, delta_kernel, base_kernel)
+    if kernels is not None:
         if torch.is_grad_enabled() and (
             hidden_states.requires_grad or delta_kernel.requires_grad or base_kernel.requires_grad
         ):
-            return _EagerCpuConv.apply(hidden_states, delta_kernel, base_kernel, block_size, group_size)
+            return _EagerConv.apply(hidden_states, delta_kernel, base_kernel, block_size, group_size, kernels)
         # Nothing to differentiate: the kernel alone (autograd.Function adds 3-10 us a call).
-        return _cpu_forward(hidden_states, delta_kernel, base_kernel, block_size)
+        return _kernel_forward(kernels, hidden_states, delta_kernel, base_kernel, block_size)
     return grouped_dynamic_conv_op(hidden_states, delta_kernel, base_kernel, block_size, group_size)

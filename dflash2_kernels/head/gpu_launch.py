@@ -14,8 +14,8 @@ candidates' bar: 128 of them in an fp32 segment, so the bar stays tight up to K 
 from __future__ import annotations
 
 import torch
-import triton
 
+from .._launch_math import cdiv, next_power_of_2
 from ..conv.launch import KernelLaunch
 from .backward_kernels import draft_head_hidden_grad_kernel
 from .scan_kernels import ROW_STATS, draft_head_merge_kernel, draft_head_scan_kernel
@@ -50,12 +50,12 @@ def segment_tiles(dtype: torch.dtype, softcap: bool) -> tuple[int, int]:
 
 def segments(vocab: int, dtype: torch.dtype, softcap: bool) -> int:
     """How many segments a row of ``vocab`` entries splits into."""
-    return max(1, triton.cdiv(vocab, segment_tiles(dtype, softcap)[0]))
+    return max(1, cdiv(vocab, segment_tiles(dtype, softcap)[0]))
 
 
 def candidate_cap(top_k: int) -> int:
     """Candidates a segment keeps at most (K <= MAX_CANDIDATE_K)."""
-    return max(16, 2 * triton.next_power_of_2(max(top_k, 1)))
+    return max(16, 2 * next_power_of_2(max(top_k, 1)))
 
 
 def round_code(plane_dtype: torch.dtype, logits_dtype: torch.dtype) -> int:
@@ -136,7 +136,7 @@ def plan_merge(logits, target, partials, best, cand_keys, cand_ids, cand_count, 
         stride_labels=1 if labels is None else labels.stride(0), **_scalars(logit_scale, softcap))
     constexprs = dict(HAS_TARGET=target is not None, HAS_LABELS=labels is not None, HAS_SOFTCAP=softcap > 0,
                       ROUND=round_code(logits.dtype, logits_dtype), KEY_BITS=key_bits(logits.dtype, logits_dtype),
-                      TOPK=topk_mode, CE_SLOT=ce_slot, S_P2=triton.next_power_of_2(n_segments),
+                      TOPK=topk_mode, CE_SLOT=ce_slot, S_P2=next_power_of_2(n_segments),
                       CAP=cand_keys.shape[2] if topk_mode == 1 else 16)
     return KernelLaunch(draft_head_merge_kernel, _grid(rows), args, constexprs, 8 if topk_mode == 1 else 4)
 
@@ -151,7 +151,7 @@ def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: in
     instead of the plane when it is given)."""
     rows, vocab = logits.shape
     seg, warps = segment_tiles(logits.dtype, softcap > 0)
-    n_segments = triton.cdiv(vocab, seg)
+    n_segments = cdiv(vocab, seg)
     stand_in = row_stats
     plane = planes if planes is not None else logits
     args = dict(
@@ -197,7 +197,7 @@ def plan_finish(sums, label_ids, losses, overlap, row_stats, row_start: int, row
     args = dict(sums_ptr=sums, label_ids_ptr=label_ids, losses_ptr=losses if losses.numel() else sums,
                 overlap_ptr=overlap, row_stats_ptr=row_stats, row_start=row_start, n_rows=label_ids.shape[0],
                 n_segments=n_segments)
-    constexprs = dict(LOSS_MASK=loss_mask, HAS_TARGET=has_target, S_P2=triton.next_power_of_2(n_segments))
+    constexprs = dict(LOSS_MASK=loss_mask, HAS_TARGET=has_target, S_P2=next_power_of_2(n_segments))
     return KernelLaunch(draft_head_finish_kernel, _grid(rows), args, constexprs, 1)
 
 
@@ -211,7 +211,7 @@ def plan_hidden_grad(out, planes, grad_losses, weight, topk_ids, topk_z, grad_to
     ``accumulate``: out (in the compute dtype) += the sum."""
     rows, width = out.shape
     block_h = HIDDEN_BLOCK if topk_z.element_size() <= 4 else HIDDEN_BLOCK // 2  # fp64 sums: half the columns
-    h_tiles = triton.cdiv(width, block_h)
+    h_tiles = cdiv(width, block_h)
     top_k = topk_ids.shape[1]
     stand_in = topk_z
     args = dict(
@@ -231,7 +231,7 @@ def plan_hidden_grad(out, planes, grad_losses, weight, topk_ids, topk_z, grad_to
                       HAS_GRAD_LOSSES=grad_losses is not None, HAS_GRAD_TOPK=grad_topk is not None and top_k > 0,
                       HAS_GRAD_LABEL=grad_label is not None, HAS_SOFTCAP=softcap > 0, SHARD=bool(shard),
                       SLOPED=bool(sloped), ACCUMULATE=bool(accumulate),
-                      K_BLOCK=min(16, triton.next_power_of_2(max(top_k, 1))), BLOCK_H=block_h)
+                      K_BLOCK=min(16, next_power_of_2(max(top_k, 1))), BLOCK_H=block_h)
     return KernelLaunch(draft_head_hidden_grad_kernel, _grid(rows * h_tiles), args, constexprs, 4)
 
 
@@ -286,7 +286,7 @@ def plan_shard_pack(logits, target, partials, best, cand_keys, cand_ids, cand_co
                 **_scalars(logit_scale, softcap))
     constexprs = dict(HAS_TARGET=target is not None, HAS_SOFTCAP=softcap > 0,
                       KEY_BITS=key_bits(logits.dtype, logits_dtype), TOPK=topk_mode, KW=candidate_slots,
-                      S_P2=max(1, triton.next_power_of_2(n_segments)),
+                      S_P2=max(1, next_power_of_2(n_segments)),
                       CAP=cand_keys.shape[2] if topk_mode == 1 and cand_keys is not None else 16)
     return KernelLaunch(draft_head_shard_pack_kernel, _grid(rows), args, constexprs, 8)
 
@@ -313,8 +313,8 @@ def plan_shard_merge(gathered, logits, target, labels, given_ids, outputs: dict,
         stride_labels=1 if labels is None else labels.stride(0), **_scalars(logit_scale, softcap))
     constexprs = dict(HAS_TARGET=target is not None, HAS_LABELS=labels is not None, HAS_SOFTCAP=softcap > 0,
                       ROUND=round_code(logits.dtype, logits_dtype), KEY_BITS=key_bits(logits.dtype, logits_dtype),
-                      TOPK=topk_mode, KW=slots, W_P2=triton.next_power_of_2(world),
-                      KW_P2=triton.next_power_of_2(slots))
+                      TOPK=topk_mode, KW=slots, W_P2=next_power_of_2(world),
+                      KW_P2=next_power_of_2(slots))
     return KernelLaunch(draft_head_shard_merge_kernel, _grid(rows), args, constexprs, 4)
 
 
@@ -325,7 +325,7 @@ def plan_shard_shares(sums, shares, row_start: int, rows: int, top_k: int) -> Ke
     args = dict(sums_ptr=sums if sums.numel() else shares, shares_ptr=shares, row_start=row_start,
                 n_segments=n_segments, top_k=top_k)
     return KernelLaunch(draft_head_shard_shares_kernel, _grid(rows), args,
-                        dict(S_P2=max(1, triton.next_power_of_2(n_segments))), 1)
+                        dict(S_P2=max(1, next_power_of_2(n_segments))), 1)
 
 
 def plan_shard_final(outputs: dict, row_start: int, rows: int, top_k: int, loss_mask: int, has_target: bool,

@@ -23,6 +23,9 @@ from .._extension import EXTENSION_LOADED
 __all__ = ["pair_scores", "score_candidates", "transition_scores"]
 
 _SUPPORTED = reference.SUPPORTED_DTYPES
+_INTEGER_DTYPES = frozenset(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                        getattr(torch, "uint16", None), getattr(torch, "uint32", None),
+                                        getattr(torch, "uint64", None)) if d is not None)
 
 
 if EXTENSION_LOADED:
@@ -88,7 +91,7 @@ def _check(name: str, tensor, *, floating: bool = True) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
     if floating and tensor.dtype not in _SUPPORTED:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {tensor.dtype}.")
-    if not floating and (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool):
+    if not floating and tensor.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"{name} must hold integer token ids, got {tensor.dtype}.")
 
 
@@ -164,7 +167,8 @@ def _validate(unary, projected, predecessor_codebook, successor_codebook, predec
         what = "unary (the gathered unary scores)" if unary_gathered else "unary_logits"
         raise ValueError(f"{what} must have shape {(*lead, width)}, got {tuple(unary.shape)}.")
     named_all = (*named, ("predecessor_ids", predecessor_ids), ("candidate_ids", candidate_ids))
-    if len({tensor.device for _, tensor in named_all}) > 1:
+    device = projected.device
+    if any(tensor.device != device for _, tensor in named_all):
         listed = ", ".join(f"{name} on {tensor.device}" for name, tensor in named_all)
         raise ValueError(f"all selector tensors must be on one device, got {listed}.")
 
@@ -195,7 +199,7 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
     if projected.dtype != predecessor_codebook.dtype:
         # The kernels read P in the codebook dtype or fp32; fp32 holds any P exactly.
         projected = projected.float()
-    scores = torch.ops.dflash2.selector_scores(
+    args = (
         _unit_last_stride(unary.reshape(rows, unary.shape[-1])),
         _unit_last_stride(projected.reshape(rows, rank)),
         _unit_last_stride(predecessor_codebook),
@@ -205,7 +209,50 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
         unary_gathered,
         out_dtype,
     )
-    return scores.view(*lead, k)
+    if not _eager(*args[:4]):
+        return torch.ops.dflash2.selector_scores(*args).view(*lead, k)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+        return _EagerSelectorScores.apply(*args).view(*lead, k)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dflash2.selector_scores.default(*args).view(*lead, k)
+
+
+# --- The eager path -------------------------------------------------------------------
+#
+# In eager mode on plain tensors the op runs under this autograd.Function, its forward
+# dispatched below autograd: torch.library's Python autograd registration costs ~20 us a
+# call (it rebuilds the call's defaults and an autograd.Function per call), more than the
+# selector's own Python layer. Autocast still applies (its key sits above autograd); a
+# dispatch mode, functorch transform, tensor subclass or torch.compile takes the op.
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(*tensors: torch.Tensor) -> bool:
+    return (
+        not torch.compiler.is_compiling()
+        and all(type(t) in _PLAIN_TENSORS for t in tensors)
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+class _EagerSelectorScores(torch.autograd.Function):
+    """``dflash2::selector_scores`` with its backward, as its torch.library registration
+    (_setup_context, _backward) gives them, in the classic ``forward(ctx, ...)`` form."""
+
+    @staticmethod
+    def forward(ctx, unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+                unary_gathered, out_dtype):
+        inputs = (unary, projected, predecessor_codebook, successor_codebook, predecessor_ids, candidate_ids,
+                  unary_gathered, out_dtype)
+        _setup_context(ctx, inputs, None)
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.dflash2.selector_scores.default(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        return _backward(ctx, grad_scores)
 
 
 def _use_reference() -> bool:
