@@ -57,8 +57,11 @@ CASES = {
                          (12, 50, 16, F32, F32, ("kl_div", "rkl", "ce"), 6, 1.0, None, "given", None), False),
     "w2-triton-recompute": (2, "chunk", "explicit-triton",
                             (12, 45, 16, F32, F32, ("jsd", "tv"), 5, 0.8, 3.0, "none", None), True),
-    # Training rows: dW accumulated over 16,384 rows in chunks of 64, per shard.
-    "w2-training-rows-grad": (2, [(0, 29), (29, 19)], "explicit",
+    # Training rows: dW accumulated over 16,384 rows in chunks of 64, per shard. Shards of
+    # 32 and 16 vocabulary rows: a host BLAS may round the last few output rows of a product
+    # its own way (MKL_CBWR=COMPATIBLE: 3-10x the error of the rest over 16,384-term sums,
+    # in an M of 29 or 19, none in 48); uneven shards are the other cases' job.
+    "w2-training-rows-grad": (2, [(0, 32), (32, 16)], "explicit",
                               (16_384, 48, 8, F32, F32, ("kl_div", "ce"), 4, 1.0, None, "given", 0.03), True),
     "w3-dtensor-uneven": (3, "chunk", "dtensor", (48, 37, 16, F32, F32, ALL, 16, 1.0, None, "given", 0.003), True),
     "w3-bf16-weight": (3, [(0, 20), (20, 2), (22, 15)], "explicit",
