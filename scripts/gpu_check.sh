@@ -48,6 +48,8 @@
 #                        autocast): upstream / ours / ours+head, eager (needs .whl)
 #   profile_tables   20  benchmarks/profile_report.py: profile.jsonl as tables, the
 #                        whole-call model beside each call (in logs.tgz)
+#   tests_gpu_trainers 120  (optional) the GPU tests that run speculators' and NeMo's
+#                        code (needs .whl): their commands, compiled steps, NeMo's modules
 #   ncu              75  Nsight Compute with --clock-control none: DRAM throughput (% of
 #                        peak) and achieved occupancy of our kernels at the published
 #                        shapes (benchmarks/traffic.py --gpu --once); on a runtime that
@@ -84,7 +86,7 @@ BUDGET_S="${GPU_CHECK_BUDGET_S:-525}"
 TESTS_ONLY="${GPU_CHECK_TESTS_ONLY:-0}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 # Steps that need a GPU (or build for one): skipped, saying so, in a dry run.
-GPU_ONLY='^(build|kernels|arch|tests_gpu|ncu|memcheck|racecheck|tests_rest|fsdp_step|traffic_model|conv_compile|selector_compile|fused_compiled)$'
+GPU_ONLY='^(build|kernels|arch|tests_gpu|tests_gpu_trainers|ncu|memcheck|racecheck|tests_rest|fsdp_step|traffic_model|conv_compile|selector_compile|fused_compiled)$'
 # Packages from .whl/ go here, ahead of the image's on PYTHONPATH (wheels step).
 SITE="${GPU_CHECK_SITE:-/tmp/dflash2_gpu_check_site}"
 KILL_AFTER=10   # a step ignoring SIGINT (a hung kernel) is killed this long after its cap
@@ -235,7 +237,12 @@ GPU_WORKERS=() REST_WORKERS=()
 if "$PY" -c "import xdist" 2>/dev/null; then
   GPU_WORKERS=(-n 4) REST_WORKERS=(-n 12)
 fi
-step tests_gpu 120 "${PYTEST[@]}" "${GPU_WORKERS[@]}" -m gpu
+# Our kernels' GPU tests first; those that run speculators' or NeMo's code on the GPU
+# (with .whl: their commands, compiled steps, 144 NeMo module cases) come after the
+# benchmarks, as tests_gpu_trainers.
+TRAINER_TESTS=(tests/test_compat_nemo.py tests/test_trainers_e2e.py tests/test_patched_training.py
+               tests/test_fused_head_trainers.py)
+step tests_gpu 120 "${PYTEST[@]}" "${GPU_WORKERS[@]}" -m gpu "${TRAINER_TESTS[@]/#/--ignore=}"
 
 # Three times per call in every row (call, host, device) and each case's per-kernel
 # profile into profile.jsonl (benchmarks/common.py); the dry run's are the CPU's kernels
@@ -252,6 +259,7 @@ step bench_serving 60 "$PY" benchmarks/bench_serving.py "${BENCH[@]}"
 step bench_head 150 "$PY" benchmarks/bench_head.py "${BENCH[@]}"
 step bench_step 90 "$PY" benchmarks/bench_step.py "${STEP_ARGS[@]}" "${BENCH[@]}"
 step profile_tables 20 "$PY" benchmarks/profile_report.py --records "$OUT/profile.jsonl"
+optional_step tests_gpu_trainers 120 "${PYTEST[@]}" "${GPU_WORKERS[@]}" -m gpu "${TRAINER_TESTS[@]}"
 
 # The tools, where the machine's runtime allows them (KINDS.md: Firecracker yes, gVisor
 # no): a missing tool is a skip, a refusal stays in the log (the summary shows its tail).
