@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib
 import multiprocessing
 import os
@@ -109,9 +110,15 @@ def _start_forkserver() -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, timeout_s: float, worker: Callable, out_dir: str, args: tuple) -> None:
-    """One rank: join the group, run the worker, leave the group."""
+    """One rank: join the group, run the worker, leave the group. A rank killed by a
+    signal (an abort in gloo's C++ at teardown) leaves its threads' Python stacks in
+    rank{rank}.fault for the parent's message."""
+    import faulthandler
+
     import torch.distributed as dist
 
+    fault_log = open(Path(out_dir, f"rank{rank}.fault"), "w")  # noqa: SIM115  (open until the process ends)
+    faulthandler.enable(file=fault_log, all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -123,6 +130,7 @@ def _rank_main(rank: int, world: int, port: int, timeout_s: float, worker: Calla
         raise
     finally:
         dist.destroy_process_group()
+        gc.collect()  # gloo's threads go while the interpreter is whole (docs/distributed.md)
 
 
 def run_ranks(worker: Callable, out_dir: Path, *args, world: int = WORLD, timeout_s: float = RANK_TIMEOUT_S) -> None:
@@ -145,7 +153,9 @@ def run_ranks(worker: Callable, out_dir: Path, *args, world: int = WORLD, timeou
         pytest.fail(f"a rank of {worker.__name__} raised:\n{error}", pytrace=False)
     except mp.ProcessExitedException as error:
         errors = "".join(p.read_text() for p in sorted(Path(out_dir).glob("rank*.error")))
-        pytest.fail(f"a rank of {worker.__name__} died: {error}\n{errors}", pytrace=False)
+        faults = "".join(f"{p.name}:\n{p.read_text()}" for p in sorted(Path(out_dir).glob("rank*.fault"))
+                         if p.stat().st_size)
+        pytest.fail(f"a rank of {worker.__name__} died: {error}\n{errors}{faults}", pytrace=False)
     finally:
         for process in context.processes:
             if process.is_alive():

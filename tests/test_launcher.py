@@ -175,6 +175,19 @@ def test_launcher_usage(monkeypatch, capsys):
     assert missing.returncode == 127 and "cannot run 'no-such-command-dflash2'" in missing.stderr
 
 
+UPSTREAM_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _teardown_abort_note(stderr: str, out: Path) -> str:
+    """A failure message's first line when a rank aborted at exit after both ranks wrote
+    their records: the upstream gloo teardown abort (docs/distributed.md), not our ops."""
+    if UPSTREAM_TEARDOWN_ABORT in stderr and all((out / f"rank{rank}.json").exists() for rank in (0, 1)):
+        return ("both ranks finished and wrote their records, then one aborted at exit: the upstream gloo "
+                "teardown abort (docs/distributed.md, scripts/repro_gloo_teardown_abort.py), not a failure "
+                "of our ops\n")
+    return ""
+
+
 @needs_install
 @pytest.mark.skipif(importlib.util.find_spec("speculators") is None, reason="needs speculators")
 @pytest.mark.skipif(bool(os.environ.get("DFLASH2_EXTENSION_PATH")),
@@ -187,7 +200,7 @@ def test_torchrun_workers_are_patched(tmp_path):
     assert SCRIPT.exists() and torchrun.exists(), "the venv's console scripts (make env)"
     result = run([str(SCRIPT), "--fused-head", "--", str(torchrun), "--standalone", "--nproc-per-node", "2",
                   str(ROOT / "tests" / "e2e" / "build_draft.py"), str(tmp_path)])
-    assert result.returncode == 0, result.stderr[-6000:]
+    assert result.returncode == 0, _teardown_abort_note(result.stderr, tmp_path) + result.stderr[-6000:]
     messages = said(result.stderr)
     assert sorted(rank for _, rank, _ in messages) == ["0", "1"], result.stderr
     assert len({pid for pid, _, _ in messages}) == 2

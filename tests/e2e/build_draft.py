@@ -11,6 +11,7 @@ draft's convs and selector, the module of ``DFlash2DraftModel.forward``, the
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -45,14 +46,16 @@ def main() -> None:
               "ops": dict(sorted(calls.counts.items())), "loss": loss.item()}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if distributed:
-        # Teardown in the order torch documents: the DDP wrapper (its reducer holds the
-        # group's work) before the group, and no rank destroys the group while its peer
-        # may still be talking to it. Without both, about one run in eight under load
-        # aborted a worker at exit ("terminate called without an active exception")
-        # after both ranks had written their records.
+        # Teardown in the order torch documents (the DDP wrapper, whose reducer holds the
+        # group's work, before the group; no rank destroys it while its peer may still talk
+        # to it), then a collection while the interpreter is whole: left to Py_Finalize,
+        # gloo's worker thread is torn down mid-finalization and aborts the process
+        # ("terminate called without an active exception"; an upstream torch issue with no
+        # code of ours in it: docs/distributed.md, scripts/repro_gloo_teardown_abort.py).
         del step, loss
         dist.barrier()
         dist.destroy_process_group()
+        gc.collect()
 
 
 if __name__ == "__main__":
