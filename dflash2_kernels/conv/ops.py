@@ -17,6 +17,7 @@ import torch
 from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend, triton_importable
+from .._eager import plain_eager
 from .._extension import EXTENSION_LOADED, has_kernel
 from .vectorized import conv_backward_vectorized, conv_forward_vectorized
 
@@ -199,21 +200,13 @@ grouped_dynamic_conv_op.register_autograd(_backward, setup_context=_setup_contex
 # transforms ops (a dispatch mode such as FakeTensorMode or an op counter, functorch
 # transforms, torch.compile, tensor subclasses) still sees the custom op.
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _CPU, _TRITON = "cpu", "triton"
 
 
 def _eager_kernels(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> str | None:
     """Which kernels an eager call on these (checked) tensors runs directly: "cpu",
     "triton", or None for the custom op."""
-    # is_compiling first: Dynamo folds it to True and traces none of the rest.
-    if (
-        torch.compiler.is_compiling()
-        or not (type(x) in _PLAIN_TENSORS and type(delta) in _PLAIN_TENSORS and type(base) in _PLAIN_TENSORS)
-        or x.numel() == 0
-        or torch._C._len_torch_dispatch_stack() != 0
-        or torch._C._are_functorch_transforms_active()
-    ):
+    if not plain_eager(x, delta, base) or x.numel() == 0:
         return None
     if _use_triton(x):
         return _TRITON

@@ -18,6 +18,7 @@ import torch
 from .. import _fake_checks as fake_checks
 from .. import reference
 from .._backend import selected_backend
+from .._eager import plain_eager
 from .._extension import EXTENSION_LOADED
 
 __all__ = ["pair_scores", "score_candidates", "transition_scores"]
@@ -209,7 +210,7 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
         unary_gathered,
         out_dtype,
     )
-    if not _eager(*args[:4]):
+    if not plain_eager(*args[:4]):
         return torch.ops.dflash2.selector_scores(*args).view(*lead, k)
     if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
         return _EagerSelectorScores.apply(*args).view(*lead, k)
@@ -224,18 +225,6 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
 # call (it rebuilds the call's defaults and an autograd.Function per call), more than the
 # selector's own Python layer. Autocast still applies (its key sits above autograd); a
 # dispatch mode, functorch transform, tensor subclass or torch.compile takes the op.
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _eager(*tensors: torch.Tensor) -> bool:
-    return (
-        not torch.compiler.is_compiling()
-        and all(type(t) in _PLAIN_TENSORS for t in tensors)
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._are_functorch_transforms_active()
-    )
-
 
 class _EagerSelectorScores(torch.autograd.Function):
     """``dflash2::selector_scores`` with its backward, as its torch.library registration
