@@ -20,6 +20,7 @@ import torch
 
 import traffic_minimum as minimum
 from dflash2_kernels import reference
+from dflash2_kernels.tuning.spaces import CONV_BACKWARD
 
 TOP_K = 16
 RANK = 256
@@ -100,7 +101,7 @@ def conv_backward_plan(plan_rows: int, hidden: int):
     rows of the call (the interpreter's own plan aims at 4 programs)."""
     from dflash2_kernels.conv import launch
 
-    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, backward=True)
+    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, CONV_BACKWARD.default)
     steps = _h200_row_steps(plan_rows, hidden)
     saved = launch._target_programs, launch._MAX_ROW_STEPS
     launch._target_programs, launch._MAX_ROW_STEPS = (lambda device: 1), steps
@@ -114,7 +115,7 @@ def _h200_row_steps(plan_rows: int, hidden: int) -> int:
     """The row steps a backward program takes on an H200 at ``plan_rows`` rows."""
     from dflash2_kernels.conv import launch
 
-    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, backward=True)
+    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, CONV_BACKWARD.default)
     row_tiles = -(-plan_rows // tiles.block_n)
     return min(launch._MAX_ROW_STEPS, max(1, -(-row_tiles * tiles.col_tiles(hidden // GROUP_SIZE) // H200_PROGRAMS)))
 
@@ -123,7 +124,7 @@ def conv_backward_chunks(rows: int, hidden: int, plan_rows: int | None) -> int:
     """The dbase partials (row chunks) of a backward over ``rows`` rows under conv_backward_plan."""
     from dflash2_kernels.conv import launch
 
-    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, backward=True)
+    tiles = launch.conv_tiles(hidden // GROUP_SIZE, GROUP_SIZE, CONV_BACKWARD.default)
     row_tiles = -(-rows // tiles.block_n)
     steps = min(_h200_row_steps(plan_rows or rows, hidden), max(1, row_tiles * tiles.col_tiles(hidden // GROUP_SIZE)))
     return -(-row_tiles // steps)

@@ -74,9 +74,10 @@ ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer"]
 # Test files that run none of the C++ code this build sanitizes (by default `test` leaves
 # them out; name them to run them): Triton compiled ahead of time in child processes
 # without the sanitizer, the plots, the launcher and the trainers' end-to-end runs (their
-# own processes, which skip under the sanitizer).
+# own processes, which skip under the sanitizer), the tuner and its spaces' members (Triton
+# kernels and Python only).
 NO_CPP_CODE = ["tests/test_triton_aot.py", "tests/test_plot.py", "tests/test_launcher.py",
-               "tests/test_trainers_e2e.py"]
+               "tests/test_trainers_e2e.py", "tests/test_tuning_configs.py", "tests/test_tuner.py"]
 # The CUDA bindings compiled for the emulator check the emulated GPU's compute capability
 # against the code a build holds (csrc/device_binding.h): here the default list of a CUDA
 # 13.0 build, so that the tests can see which capabilities run and the error the others get.

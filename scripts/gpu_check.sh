@@ -33,6 +33,10 @@
 #                        the build holds (fails when the GPU runs none of it)
 #   tests_gpu       120  the GPU tests in 4 pytest-xdist workers: 70 s on the first H200
 #                        run (cold Triton cache: one JIT compile per kernel specialization)
+#   tune             90  benchmarks/tune.py: every member of every kernel's configuration
+#                        space timed at the published shapes (each member's first launch
+#                        compiles it); the winners to tuning.jsonl and to the cache the
+#                        benchmarks read (DFLASH2_CACHE_DIR)
 #   bench_conv       50  --no-compile, all five GPU shapes; each case's three times per
 #                        call (call, host, device: CUDA-graph replay) and, with every
 #   bench_selector   50  benchmark, its per-kernel profile (torch.profiler, 3 calls of
@@ -93,6 +97,9 @@ KILL_AFTER=10   # a step ignoring SIGINT (a hung kernel) is killed this long aft
 MIN_STEP_S=15   # a required step with less time than this left is not started
 mkdir -p "$OUT"
 rm -f "$OUT/bench.jsonl" "$OUT/bench_compile.jsonl" "$OUT/profile.jsonl"   # the benchmarks append; start clean
+# The tune step's winners, read by every later step (a fresh directory: no earlier run's).
+export DFLASH2_CACHE_DIR="${DFLASH2_CACHE_DIR:-/tmp/dflash2_gpu_check_tuning}"
+rm -rf "$DFLASH2_CACHE_DIR"
 export PYTHONUNBUFFERED=1
 export MAX_JOBS="${MAX_JOBS:-16}"
 # A CPU-only build would "pass" and quietly skip every CUDA kernel: make it an error.
@@ -253,6 +260,11 @@ if [[ $DRY_RUN == 1 ]]; then
   BENCH+=(--quick --max-reps 3)
   STEP_ARGS=(--quick)  # the CPU's training step (the drafter's shape is tens of GB in fp32)
 fi
+# Every kernel's configuration space timed at the published shapes (default and winner per
+# kernel into tuning.jsonl); the benchmarks then launch the winners from that cache.
+TUNE_ARGS=(--out "$OUT/tuning.jsonl" --cache "$DFLASH2_CACHE_DIR")
+[[ $DRY_RUN == 1 ]] && TUNE_ARGS+=(--interpret)
+step tune 90 "$PY" benchmarks/tune.py "${TUNE_ARGS[@]}"
 step bench_conv 50 "$PY" benchmarks/bench_conv.py "${BENCH[@]}"
 step bench_selector 50 "$PY" benchmarks/bench_selector.py "${BENCH[@]}"
 step bench_serving 60 "$PY" benchmarks/bench_serving.py "${BENCH[@]}"
@@ -476,6 +488,20 @@ summary() {
   if [[ -f $OUT/bench_serving.log ]] && grep -q '^# targets' "$OUT/bench_serving.log"; then
     sed -n '/^# targets/,$p' "$OUT/bench_serving.log" | sed 's/^# /serving /'
   fi
+  if [[ -s $OUT/tuning.jsonl ]]; then
+    echo "tuning (per space: shape classes timed, winners other than the default, best gain over the default):"
+    timeout 30 "$PY" - "$OUT/tuning.jsonl" <<'PYTHON' || echo "  (could not read the tuning records)"
+import json, sys
+spaces = {}
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    spaces.setdefault(r["space"], []).append(r)
+for name, records in spaces.items():
+    moved = sum(r["winner"] != r["default"] for r in records)
+    gain = max(r["default_ms"] / r["winner_ms"] for r in records if r["winner_ms"] > 0)
+    print(f"  {name:24s} {len(records):3d} timed  {moved:3d} moved  best gain {gain:.2f}x")
+PYTHON
+  fi
   [[ -f $OUT/ncu.log ]] && { echo "ncu (per kernel: launches, mean DRAM % of peak, mean achieved occupancy %):"; ncu_table "$OUT/ncu.log"; }
   for log in "$OUT/memcheck.log" "$OUT/racecheck.log"; do
     [[ -f $log ]] && grep -h -E '(ERROR|RACECHECK) SUMMARY|Device not supported|error 999|^=+ (passed|failed)|[0-9]+ (passed|failed)' "$log" \
@@ -497,11 +523,14 @@ fi
 # A dry run checks what a GPU run would bring back: the files, their count, the profile.
 if [[ $DRY_RUN == 1 ]]; then
   kept=$(find "$OUT" -maxdepth 1 -type f | wc -l)
-  if (( kept > 8 )) || [[ ! -s $OUT/summary.txt || ! -s $OUT/logs.tgz || ! -s $OUT/profile.jsonl ]]; then
-    echo "dry run: FAILED: $kept files under $OUT (at most 8), summary.txt, logs.tgz and profile.jsonl must not be empty"
+  if (( kept > 8 )) || [[ ! -s $OUT/summary.txt || ! -s $OUT/logs.tgz || ! -s $OUT/profile.jsonl \
+                          || ! -s $OUT/tuning.jsonl ]]; then
+    echo "dry run: FAILED: $kept files under $OUT (at most 8), summary.txt, logs.tgz, profile.jsonl and" \
+         "tuning.jsonl must not be empty"
     ls -la "$OUT"
     exit 1
   fi
-  echo "dry run: $kept files under $OUT, $(wc -l <"$OUT/profile.jsonl") profile records"
+  echo "dry run: $kept files under $OUT, $(wc -l <"$OUT/profile.jsonl") profile records," \
+       "$(wc -l <"$OUT/tuning.jsonl") tuning records"
 fi
 (( ${#required_failed[@]} == 0 ))

@@ -44,6 +44,7 @@ OP_TESTS = [
     "tests/test_conv_numerics.py",
     "tests/test_conv_cpp_op.py",
     "tests/test_conv_op.py",
+    "tests/test_conv_compile_structure.py",
     "tests/test_selector_numerics.py",
     "tests/test_selector_api.py",
     "tests/test_serving.py",

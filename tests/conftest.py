@@ -22,6 +22,10 @@ if not torch.cuda.is_available():
 # The C++ ops fill every tensor they allocate with NaN (integers: their lowest value)
 # before their kernels run: an element a kernel leaves unwritten fails the checks.
 os.environ.setdefault("DFLASH2_POISON_OUTPUTS", "1")
+# On a GPU the tests judge the default configurations (a test's first call per shape would
+# otherwise time every member: minutes over the suite); tests/test_tuning_configs.py forces
+# each member and tests/test_tuner_gpu.py tunes.
+os.environ.setdefault("DFLASH2_AUTOTUNE", "0")
 
 from . import host_blas  # noqa: E402
 

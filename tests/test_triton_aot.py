@@ -1,6 +1,8 @@
 """Every conv, draft head row and top-k kernel configuration the launchers pick, compiled with no
 GPU for every architecture of the default list (dflash2_kernels/_cuda_archs.py: sm_80,
-sm_86, sm_89, sm_90, sm_100, sm_120), each checked against that architecture's limits.
+sm_86, sm_89, sm_90, sm_100, sm_120), each checked against that architecture's limits:
+the default members at every configuration below, every other member of each kernel's
+tuning space (dflash2_kernels/tuning/spaces.py) at the published shapes.
 
 This catches code-generation errors the interpreter cannot see, register spills, and
 blocks that would not fit a multiprocessor (registers, shared memory) before a GPU ever
@@ -20,6 +22,7 @@ import pytest
 import triton
 
 from dflash2_kernels import _cuda_archs
+from dflash2_kernels.tuning import SPACES
 
 # (hidden, group size, taps, x / delta / base dtypes): the published drafters' shapes
 # and dtype mixes, plus the group sizes that change the tiling (not a power of two,
@@ -65,6 +68,13 @@ HEAD_CONFIGS = [
 HEAD_KERNELS = ["scan", "merge", "sweep", "sweep_row_sums", "sweep_backward", "sweep_backward_sparse", "sparse_add",
                 "sparse_hidden_grad", "finish", "hidden_grad", "radix_topk",
                 "shard_pack", "shard_merge", "shard_shares", "shard_final", "shard_hidden_grad"]
+# Every member of every configuration space (dflash2_kernels/tuning/spaces.py) beyond the
+# defaults above, at the published conv shape and two head configurations that launch
+# every head kernel between them (speculators' kl_div with candidates; every loss with
+# the radix select): no member a GPU's timing may pick goes uncompiled.
+TUNING_DEPTH = max(len(space.configs) for space in SPACES.values())
+TUNING_CONFIGS = [[5120, 16, 2, BF16, index] for index in range(1, TUNING_DEPTH)] + [
+    {**HEAD_CONFIGS[entry], "tuning": index} for entry in (0, 6) for index in range(1, TUNING_DEPTH)]
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]
 
@@ -80,7 +90,7 @@ def usage():
                 for i in range(share)]
     found = {}
     for child in children:
-        out, err = child.communicate(json.dumps(CONFIGS + HEAD_CONFIGS), timeout=900)
+        out, err = child.communicate(json.dumps(CONFIGS + HEAD_CONFIGS + TUNING_CONFIGS), timeout=900)
         assert child.returncode == 0, err[-4000:]
         found.update(json.loads(out))
     return found
@@ -128,6 +138,10 @@ KNOWN_SPILLS = {
 MEASURED_TRITON = triton.__version__.startswith("3.8.")
 
 
+def _member_index(config) -> int:
+    return config.get("tuning", 0) if isinstance(config, dict) else (config[4] if len(config) > 4 else 0)
+
+
 def _assert_fits(arch: int, config, kernel: str, found: dict) -> None:
     """No compile error, a block that fits one of ``arch``'s multiprocessors (registers,
     shared memory), and no spill but a known one."""
@@ -139,6 +153,11 @@ def _assert_fits(arch: int, config, kernel: str, found: dict) -> None:
     limit = _cuda_archs.SHARED_MEMORY_KIB[divmod(arch, 10)] * 1024
     assert usage["shared"] + usage["dynamic_shared"] <= limit, f"sm_{arch}: over {limit} bytes of shared memory: {usage}"
     spilled = usage["local"] > 0 or usage["stack"] > 0
+    if _member_index(config):
+        # A tuning member may spill where the default does not (four warps holding twice the
+        # registers' worth of a segment, sixteen capped at 128 registers a thread): spills
+        # cost time, not results, and the GPU's timing is what picks a member.
+        return
     known = KNOWN_SPILLS.get((json.dumps(config), kernel, arch))
     if known is None:
         assert not spilled, f"sm_{arch}: register spills: {usage}"
@@ -178,4 +197,54 @@ HEAD_PAIRS = [(config, kernel) for config in HEAD_CONFIGS for kernel in HEAD_KER
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("config,kernel", HEAD_PAIRS, ids=[f"{_head_id(c)}-{k}" for c, k in HEAD_PAIRS])
 def test_head_compiles_within_each_architectures_limits(usage, config, kernel, arch):
+    _assert_fits(arch, config, kernel, usage)
+
+
+_CONV_SPACES = {"forward": "conv_forward", "backward": "conv_backward", "dbase": "conv_dbase"}
+_HEAD_SPACES = {"scan": "head_scan", "sweep": "head_sweep", "sweep_row_sums": "head_sweep",
+                "sweep_backward": "head_sweep", "sweep_backward_sparse": "head_sweep", "sparse_add": "head_sparse_add",
+                "sparse_hidden_grad": "head_hidden_grad", "finish": "head_finish", "hidden_grad": "head_hidden_grad",
+                "radix_topk": "head_radix_topk", "shard_pack": "head_shard_pack", "shard_merge": "head_shard_merge",
+                "shard_shares": "head_shard_shares", "shard_final": "head_shard_final",
+                "shard_hidden_grad": "head_hidden_grad"}
+
+
+def _space_of(config, kernel: str) -> str:
+    if isinstance(config, list):
+        return _CONV_SPACES[kernel]
+    if kernel == "merge":
+        return "head_merge_candidates" if 0 < config["head"]["top_k"] <= 64 else "head_merge"
+    return _HEAD_SPACES[kernel]
+
+
+def _tuning_pairs() -> list:
+    pairs = []
+    for config in TUNING_CONFIGS:
+        index = _member_index(config)
+        kernels = _CONV_SPACES if isinstance(config, list) else [k for k in HEAD_KERNELS if _launched(config, k)]
+        pairs += [(config, kernel) for kernel in kernels if len(SPACES[_space_of(config, kernel)].configs) > index]
+    return pairs
+
+
+TUNING_PAIRS = _tuning_pairs()
+
+
+def _tuning_id(config, kernel: str) -> str:
+    index = _member_index(config)
+    space = SPACES[_space_of(config, kernel)]
+    shape = "conv-H5120" if isinstance(config, list) else _head_id(config)
+    return f"{shape}-{kernel}-{space.name}:{space.configs[index].name}"
+
+
+def test_every_space_member_is_compiled():
+    """TUNING_CONFIGS reach every member of every space (with the defaults above)."""
+    reached = {(_space_of(c, k), _member_index(c)) for c, k in TUNING_PAIRS}
+    missing = [(name, i) for name, space in SPACES.items() for i in range(1, len(space.configs))
+               if (name, i) not in reached]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("config,kernel", TUNING_PAIRS, ids=[_tuning_id(c, k) for c, k in TUNING_PAIRS])
+def test_every_tuning_member_compiles_within_each_architectures_limits(usage, config, kernel, arch):
     _assert_fits(arch, config, kernel, usage)

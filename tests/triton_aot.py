@@ -49,7 +49,8 @@ def compile_launch(launch, target: GPUTarget = SM90):
         if hint == "D":
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(source, target=target, options={"num_warps": launch.num_warps})
+    return triton.compile(source, target=target, options={"num_warps": launch.num_warps,
+                                                          "num_stages": launch.num_stages})
 
 
 def resource_usage(compiled, num_warps: int) -> dict[str, int]:
@@ -182,10 +183,25 @@ def head_plans(weight: str, logits: str, loss_mask: int, target: bool, labels: b
 
 def plans_of(config) -> dict:
     """A conv configuration is a list (conv_plans' arguments); a draft head configuration a
-    dict {"head": head_plans' keyword arguments}."""
-    if isinstance(config, dict):
-        return head_plans(**config["head"])
-    return conv_plans(*config)
+    dict {"head": head_plans' keyword arguments}. A conv list's fifth item or a head dict's
+    "tuning" is a member index: every kernel in its space's member of that index (spaces
+    with fewer members keep their default), else the defaults."""
+    from dflash2_kernels.tuning import SPACES, TUNER
+
+    index = config.get("tuning", 0) if isinstance(config, dict) else (config[4] if len(config) > 4 else 0)
+    with TUNER.forced({name: space.configs[index] for name, space in SPACES.items() if len(space.configs) > index}):
+        if isinstance(config, dict):
+            return head_plans(**config["head"])
+        return conv_plans(*config[:4])
+
+
+def _compile_key(launch) -> str:
+    """What decides a launch's compiled kernel: the kernel, its constexprs, warps, stages,
+    and its arguments' types and divisibility (as Triton's specializer sees them)."""
+    specialized = [native_specialize_impl(BaseBackend, value, False, True, True)
+                   for value in launch.args.values()]
+    return repr((launch.kernel.fn.__qualname__, sorted(launch.constexprs.items(), key=lambda kv: kv[0]),
+                 launch.num_warps, launch.num_stages, specialized))
 
 
 def main() -> None:
@@ -198,13 +214,17 @@ def main() -> None:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         results[str(arch)] = by_config = {}
+        compiled = {}  # a configuration's member beside another's default is often the same kernel
         for key, kernels in plans.items():
             by_config[key] = {}
             for kernel, plan in kernels.items():
-                try:
-                    by_config[key][kernel] = resource_usage(compile_launch(plan, target), plan.num_warps)
-                except Exception as error:  # reported per configuration by the test
-                    by_config[key][kernel] = {"error": f"{type(error).__name__}: {error}"}
+                same = _compile_key(plan)
+                if same not in compiled:
+                    try:
+                        compiled[same] = resource_usage(compile_launch(plan, target), plan.num_warps)
+                    except Exception as error:  # reported per configuration by the test
+                        compiled[same] = {"error": f"{type(error).__name__}: {error}"}
+                by_config[key][kernel] = compiled[same]
     json.dump(results, sys.stdout)
 
 

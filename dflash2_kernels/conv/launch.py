@@ -5,7 +5,8 @@ base ``[K, H]``, each with a unit last stride and any row stride. A forward is o
 launch (the kernels round the base to x's dtype as they load it); a backward is two (the
 gradients, then the deterministic sum of the dbase partials in base's dtype), more only
 where a group spans several channel tiles or the sums run in fp64 for 16-bit results.
-What depends on the shape alone (tiles, grid, constexprs) is computed once per shape:
+Tiles come from each kernel's configuration space (tuning/spaces.py), the tuner's choice per
+shape class; what depends on the shape alone is computed once per shape:
 an eager call's Python time is the cost at serving sizes, where a kernel takes microseconds.
 """
 
@@ -18,6 +19,8 @@ import torch
 import triton.language as tl
 
 from .._launch_math import cdiv, next_power_of_2
+from ..tuning import TUNER, Config, rows_class
+from ..tuning.spaces import CONV_BACKWARD, CONV_DBASE, CONV_FORWARD
 from .kernels import grouped_dynamic_conv_bwd_kernel, grouped_dynamic_conv_dbase_kernel, grouped_dynamic_conv_fwd_kernel
 
 # Under TRITON_INTERPRET=1, triton.jit hands back an interpreter object instead of a
@@ -26,11 +29,7 @@ KERNELS_INTERPRETED = type(grouped_dynamic_conv_fwd_kernel).__name__ == "Interpr
 
 _MAX_PROGRAMS = 2**31 - 1
 _MAX_BLOCK_J = 128
-_TILE_CHANNELS = 256
-_FWD_TILE_ELEMENTS = 4096
-_BWD_TILE_ELEMENTS = 2048
 _MAX_ROW_STEPS = 64
-_DBASE_BLOCK = 1024
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -44,8 +43,20 @@ class KernelLaunch:
     args: dict
     constexprs: dict
     num_warps: int
+    num_stages: int = 3  # Triton's default on CUDA
 
     def run(self, device_of: torch.Tensor) -> None:
+        """Launch on the tensors in ``args``; ``device_of`` is one of them (x)."""
+        # Plain tensors (the eager calls) first: the type test costs ~50 ns of their few us.
+        if type(device_of) is not torch.Tensor:
+            from torch._subclasses.fake_tensor import FakeTensor
+            from torch._subclasses.functional_tensor import FunctionalTensor
+
+            # torch.compile tracing a traceable op's body (conv/ops.py): no data to run on,
+            # and no device to guard (the compiled graph launches on its own).
+            if isinstance(device_of, (FakeTensor, FunctionalTensor)):
+                self._launch(traced=True)
+                return
         # Triton launches on the current CUDA device; a guard (~5 us) only where the
         # tensors live on another one.
         if device_of.is_cuda and device_of.device.index != torch.cuda.current_device():
@@ -54,8 +65,16 @@ class KernelLaunch:
         else:
             self._launch()
 
-    def _launch(self) -> None:
-        self.kernel[(self.programs,)](**self.args, **self.constexprs, num_warps=self.num_warps)
+    def _launch(self, traced: bool = False) -> None:
+        """traced: record the launch in the graph being traced, through ``wrap_triton``
+        (a ``triton_kernel_wrapper_*`` node that the compiled graph runs), instead of
+        launching the kernel. The interpreter's kernels (TRITON_INTERPRET=1) cannot be
+        wrapped; conv/ops.py keeps traced calls from reaching them."""
+        kernel = self.kernel
+        if traced and not KERNELS_INTERPRETED:
+            kernel = torch.library.wrap_triton(kernel)
+        kernel[(self.programs,)](**self.args, **self.constexprs, num_warps=self.num_warps,
+                                 num_stages=self.num_stages)
 
 
 @dataclass(frozen=True)
@@ -67,25 +86,23 @@ class ConvTiles:
     block_j: int
     j_tiles: int
     num_warps: int
+    num_stages: int
 
     def col_tiles(self, num_groups: int) -> int:
         return cdiv(num_groups, self.block_g) * self.j_tiles
 
 
 @functools.lru_cache(maxsize=None)
-def conv_tiles(num_groups: int, group_size: int, *, backward: bool) -> ConvTiles:
-    """Tile shape for a hidden size of ``num_groups * group_size`` channels.
-
-    About 256 channels wide (contiguous when the group size is a power of two) and
-    4096 (forward) or 2048 (backward, which holds more live tiles) elements in all.
+def conv_tiles(num_groups: int, group_size: int, config: Config) -> ConvTiles:
+    """Tile shape for a hidden size of ``num_groups * group_size`` channels under one
+    configuration of the forward's or backward's space (tuning/spaces.py): about
+    ``tile_channels`` channels wide (contiguous when the group size is a power of two)
+    and ``tile_elements`` elements in all, at most 64 rows.
     """
     block_j = min(next_power_of_2(group_size), _MAX_BLOCK_J)
-    block_g = max(1, min(next_power_of_2(num_groups), _TILE_CHANNELS // block_j))
-    elements = _BWD_TILE_ELEMENTS if backward else _FWD_TILE_ELEMENTS
-    block_n = max(1, min(64, elements // (block_g * block_j)))
-    # Eight warps keep the backward's live tiles near 100 registers a thread on sm_90.
-    num_warps = 8 if backward else 4
-    return ConvTiles(block_n, block_g, block_j, cdiv(group_size, block_j), num_warps)
+    block_g = max(1, min(next_power_of_2(num_groups), config.params["tile_channels"] // block_j))
+    block_n = max(1, min(64, config.params["tile_elements"] // (block_g * block_j)))
+    return ConvTiles(block_n, block_g, block_j, cdiv(group_size, block_j), config.num_warps, config.num_stages)
 
 
 def accumulator_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -112,14 +129,20 @@ def _multiprocessors(index: int) -> int:
 
 
 def plan_conv_forward(
-    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, out: torch.Tensor, block_size: int
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, out: torch.Tensor, block_size: int,
+    config: Config | None = None,
 ) -> KernelLaunch:
     """The forward launch writing out [N, H] from x [N, H], delta [N, K, G], base [K, H]
-    (any float dtype: the kernel rounds it to x's, as speculators does before use)."""
+    (any float dtype: the kernel rounds it to x's, as speculators does before use), in
+    ``config`` of CONV_FORWARD (None: the tuner's choice for this shape class)."""
     n_rows, hidden_size = x.shape
     kernel_size, num_groups = delta.shape[1], delta.shape[2]
     group_size = hidden_size // num_groups
-    tiles = conv_tiles(num_groups, group_size, backward=False)
+    if config is None:
+        key = (num_groups, group_size, kernel_size, x.dtype, delta.dtype, base.dtype, rows_class(n_rows))
+        config = TUNER.choose(CONV_FORWARD, key, x,
+                              lambda trial: plan_conv_forward(x, delta, base, out, block_size, trial))
+    tiles = conv_tiles(num_groups, group_size, config)
     n_col_tiles = tiles.col_tiles(num_groups)
     programs = cdiv(n_rows, tiles.block_n) * n_col_tiles
     _check_grid(programs)
@@ -139,14 +162,17 @@ def plan_conv_forward(
         BLOCK_G=tiles.block_g,
         BLOCK_J=tiles.block_j,
     )
-    return KernelLaunch(grouped_dynamic_conv_fwd_kernel, programs, args, constexprs, tiles.num_warps)
+    return KernelLaunch(grouped_dynamic_conv_fwd_kernel, programs, args, constexprs, tiles.num_warps,
+                        tiles.num_stages)
 
 
 def plan_conv_backward(
-    dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, acc_dtype: torch.dtype
+    dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, acc_dtype: torch.dtype,
+    config: Config | None = None,
 ) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward launch and the buffers it writes: (launch, dx, ddelta splits, dbase partials).
-    base [K, H] in any float dtype (rounded to x's in the kernel).
+    base [K, H] in any float dtype (rounded to x's in the kernel); ``config`` of
+    CONV_BACKWARD (None: the tuner's choice for this shape class).
 
     ddelta is [J_TILES, N, K, G]: delta's dtype when a group fits one channel tile,
     otherwise partials per tile in acc_dtype. dbase partials are [chunks, K, H] in fp64.
@@ -157,7 +183,11 @@ def plan_conv_backward(
     n_rows, hidden_size = x.shape
     kernel_size, num_groups = delta.shape[1], delta.shape[2]
     group_size = hidden_size // num_groups
-    tiles = conv_tiles(num_groups, group_size, backward=True)
+    if config is None:
+        key = (num_groups, group_size, kernel_size, dy.dtype, x.dtype, delta.dtype, base.dtype, rows_class(n_rows))
+        config = TUNER.choose(CONV_BACKWARD, key, x,
+                              lambda trial: plan_conv_backward(dy, x, delta, base, block_size, acc_dtype, trial)[0])
+    tiles = conv_tiles(num_groups, group_size, config)
     n_col_tiles = tiles.col_tiles(num_groups)
     row_tiles = cdiv(n_rows, tiles.block_n)
     row_steps = min(_MAX_ROW_STEPS, max(1, cdiv(row_tiles * n_col_tiles, _target_programs(x.device))))
@@ -187,16 +217,22 @@ def plan_conv_backward(
         BLOCK_G=tiles.block_g,
         BLOCK_J=tiles.block_j,
     )
-    launch = KernelLaunch(grouped_dynamic_conv_bwd_kernel, programs, args, constexprs, tiles.num_warps)
+    launch = KernelLaunch(grouped_dynamic_conv_bwd_kernel, programs, args, constexprs, tiles.num_warps,
+                          tiles.num_stages)
     return launch, dx, ddelta, dbase_partial
 
 
-def plan_conv_dbase(dbase_partial: torch.Tensor, dbase: torch.Tensor) -> KernelLaunch:
-    """The launch summing dbase_partial [chunks, K, H] fp64 into dbase [K, H] (contiguous)."""
+def plan_conv_dbase(dbase_partial: torch.Tensor, dbase: torch.Tensor, config: Config | None = None) -> KernelLaunch:
+    """The launch summing dbase_partial [chunks, K, H] fp64 into dbase [K, H] (contiguous),
+    in ``config`` of CONV_DBASE (None: the tuner's choice)."""
     numel = dbase.numel()
+    if config is None:
+        key = (numel, dbase_partial.shape[0], dbase.dtype)
+        config = TUNER.choose(CONV_DBASE, key, dbase, lambda trial: plan_conv_dbase(dbase_partial, dbase, trial))
+    block = config.params["block"]
     args = dict(partial_ptr=dbase_partial, dbase_ptr=dbase, n_chunks=dbase_partial.shape[0], numel=numel)
-    return KernelLaunch(grouped_dynamic_conv_dbase_kernel, cdiv(numel, _DBASE_BLOCK), args,
-                        dict(BLOCK=_DBASE_BLOCK), 4)
+    return KernelLaunch(grouped_dynamic_conv_dbase_kernel, cdiv(numel, block), args, dict(BLOCK=block),
+                        config.num_warps, config.num_stages)
 
 
 def _stored_dtype(result_dtype: torch.dtype, acc_dtype: torch.dtype) -> torch.dtype:

@@ -1,11 +1,19 @@
-"""The grouped dynamic conv as ``torch.library`` custom ops: the one place defining it.
+"""The grouped dynamic conv as ``torch.library`` ops: the one place defining it.
 
-``dflash2::grouped_dynamic_conv`` and its backward are opaque to ``torch.compile``
-(a fake impl gives shapes and dtypes), carry autograd, and pick an implementation
-per call: Triton for CUDA tensors (or anywhere when ``DFLASH2_BACKEND=triton``);
-for CPU tensors the C++ kernels (``torch.ops.dflash2.conv_forward_cpu`` /
-``conv_backward_cpu``, csrc/conv_cpu.cpp) when the extension is built; the
-vectorized PyTorch path otherwise.
+``dflash2::grouped_dynamic_conv`` and its backward carry autograd, have a fake impl
+(shapes, dtypes, the argument checks), and pick an implementation per call: Triton for
+CUDA tensors (or anywhere when ``DFLASH2_BACKEND=triton``); for CPU tensors the C++
+kernels (``torch.ops.dflash2.conv_forward_cpu`` / ``conv_backward_cpu``,
+csrc/conv_cpu.cpp) when the extension is built; the vectorized PyTorch path otherwise.
+
+On torch >= 2.6 (with Triton installed) they are ``torch.library.triton_op``s:
+torch.compile traces into their bodies, so its graph holds each Triton launch as a
+``triton_kernel_wrapper_functional`` node (``KernelLaunch.run`` wraps the kernel with
+``wrap_triton`` when its tensors are being traced) and the CPU kernels as the ops they
+are, and ``mode="reduce-overhead"`` captures the launches in CUDA graphs; calls whose
+body cannot be traced (the Triton interpreter's kernels, the vectorized path) stay one
+op in the graph. On torch 2.5 they are ``custom_op``s from the same bodies, opaque to
+compile.
 """
 
 from __future__ import annotations
@@ -77,6 +85,62 @@ def _cpu_kernel_available() -> bool:
     return has_kernel("conv_forward_cpu", "cpu")
 
 
+# torch 2.6 added triton_op; without Triton there are no kernels to trace (and triton_op
+# would warn at import that it cannot look for them).
+TRACEABLE = hasattr(torch.library, "triton_op") and triton_importable()
+
+
+def _define_op(name: str):
+    """The decorator making a Python body the op ``name`` (functional: nothing mutated):
+    a ``triton_op`` where TRACEABLE, else a ``custom_op``. The fake impl each op
+    registers below replaces the body triton_op would use as one, so both torches check
+    arguments and give shapes alike, and fake CUDA tensors need no device properties."""
+    if not TRACEABLE:
+        return torch.library.custom_op(name, mutates_args=())
+
+    def define(body):
+        op = torch.library.triton_op(name, mutates_args=())(body)
+        _keep_untraceable_calls_opaque(op, body)
+        return op
+
+    return define
+
+
+def _keep_untraceable_calls_opaque(op, body) -> None:
+    """A traced call whose body would run code no graph can hold stays the op itself in
+    the graph (as a custom_op does), run when the graph runs: see :func:`_untraceable`.
+    Every other traced call decomposes into the body as triton_op has it (its
+    FunctionalTensorMode rule, which AOTAutograd's functionalization calls)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    # triton_op's own rule (it also keeps the op whole for torch.export), where torch
+    # keeps it; otherwise what that rule does for torch.compile: the body under the mode.
+    decompose = getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+    if decompose is None:
+        def decompose(mode, func, types, args, kwargs):
+            with mode:
+                return body(*args, **kwargs)
+
+    def functional(mode, func, types, args, kwargs):
+        if _untraceable(args[0]):  # x, or the backward's grad_out (on x's device)
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        return decompose(mode, func, types, args, kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, functional)
+
+
+def _untraceable(x: torch.Tensor) -> bool:
+    """Whether a call on x's device runs code that a traced graph cannot hold: the Triton
+    interpreter's kernels (TRITON_INTERPRET=1: interpreter objects, which ``wrap_triton``
+    refuses) or the vectorized path (it compares data pointers, and loops over chunks
+    sized by the data). The compiled Triton kernels and the C++ CPU op trace."""
+    if _use_triton(x):
+        from .launch import KERNELS_INTERPRETED
+
+        return KERNELS_INTERPRETED
+    return not (x.device.type == "cpu" and _cpu_kernel_available())
+
+
 if EXTENSION_LOADED:
     # Shapes of the raw C++ ops, so that they trace on their own too (opcheck, compile).
     @torch.library.register_fake("dflash2::conv_forward_cpu")
@@ -96,7 +160,7 @@ if EXTENSION_LOADED:
         return x.new_empty(x.shape), delta.new_empty(delta.shape), base.new_empty(base.shape)
 
 
-@torch.library.custom_op("dflash2::grouped_dynamic_conv", mutates_args=())
+@_define_op("dflash2::grouped_dynamic_conv")
 def grouped_dynamic_conv_op(
     x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
 ) -> torch.Tensor:
@@ -133,7 +197,7 @@ def _check_backward_args(grad_out, x, delta, base, block_size, group_size) -> No
         raise ValueError(f"grad_out must be on x's device {x.device}, got {grad_out.device}.")
 
 
-@torch.library.custom_op("dflash2::grouped_dynamic_conv_backward", mutates_args=())
+@_define_op("dflash2::grouped_dynamic_conv_backward")
 def grouped_dynamic_conv_backward_op(
     grad_out: torch.Tensor,
     x: torch.Tensor,

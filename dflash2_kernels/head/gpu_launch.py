@@ -3,8 +3,10 @@ backward_kernels.py, topk_kernels.py, shard_kernels.py): tiles, grids, constexpr
 checked tensors and returns a :class:`KernelLaunch`, fully decided: what the GPU
 drivers (gpu_driver.py, shard_gpu.py) run and tests/triton_aot.py compiles.
 
-Tiles (not timed on a GPU yet; tests/test_triton_aot.py compiles every one for sm_80 ...
-sm_120 and forbids spills): a segment of SEG entries over 8 warps, held in registers by
+Warps and stages come from each kernel's configuration space (tuning/spaces.py: the
+tuner's choice per shape class, timed on the user's GPU; tests/test_triton_aot.py compiles
+every member for sm_80 ... sm_120, forbidding spills in the defaults). Tiles: a segment of SEG entries
+(by default over 8 warps), held in registers by
 the scan and the sweep: 4096 fp32 entries (16 a thread: four 16-byte loads a plane), 2048
 fp64 ones, half that with a softcap (its fp64 tanh's registers). Sub-blocks of 32 for the
 candidates' bar: 128 of them in an fp32 segment, so the bar stays tight up to K = 64
@@ -17,6 +19,8 @@ import torch
 
 from .._launch_math import cdiv, next_power_of_2
 from ..conv.launch import KernelLaunch
+from ..tuning import TUNER, rows_class
+from ..tuning import spaces as tuning_spaces
 from .backward_kernels import draft_head_hidden_grad_kernel
 from .scan_kernels import ROW_STATS, draft_head_merge_kernel, draft_head_scan_kernel
 from .shard_kernels import (
@@ -43,9 +47,19 @@ _ROUND_NONE, _ROUND_BF16, _ROUND_FP16, _ROUND_FP32 = 0, 1, 2, 3
 
 
 def segment_tiles(dtype: torch.dtype, softcap: bool) -> tuple[int, int]:
-    """(SEG, num_warps) of the scan and sweep kernels for planes of ``dtype``."""
+    """(SEG, default num_warps) of the scan and sweep kernels for planes of ``dtype``."""
     seg = 4096 if dtype == torch.float32 else 2048
     return (seg // 2 if softcap else seg), 8
+
+
+def _tuned(space, kernel, programs: int, args: dict, constexprs: dict, device_of: torch.Tensor,
+           *sizes: int) -> KernelLaunch:
+    """The launch in the tuner's choice of ``space`` (warps and stages at a fixed tile) for
+    the shape class: the constexprs, the planes' dtype, and ``sizes`` by power of two."""
+    key = (*constexprs.values(), device_of.dtype, *(rows_class(size) for size in sizes))
+    config = TUNER.choose(space, key, device_of, lambda trial: KernelLaunch(
+        kernel, programs, args, constexprs, trial.num_warps, trial.num_stages))
+    return KernelLaunch(kernel, programs, args, constexprs, config.num_warps, config.num_stages)
 
 
 def segments(vocab: int, dtype: torch.dtype, softcap: bool) -> int:
@@ -95,7 +109,7 @@ def plan_scan(logits, target, partials, best, cand_keys, cand_ids, cand_count, t
     MAX_CANDIDATE_K) cand_keys int64 [R, S, CAP] (with cand_ids like it for 64-bit keys,
     else None: candidate_ids_needed) and cand_count int32 [R, S]."""
     rows, vocab = logits.shape
-    seg, warps = segment_tiles(logits.dtype, softcap > 0)
+    seg, _ = segment_tiles(logits.dtype, softcap > 0)
     n_segments = partials.shape[1]
     args = dict(logits_ptr=logits, target_ptr=logits if target is None else target, partials_ptr=partials,
                 best_ptr=best, cand_keys_ptr=cand_keys if candidates else best,
@@ -107,7 +121,8 @@ def plan_scan(logits, target, partials, best, cand_keys, cand_ids, cand_count, t
                       ROUND=round_code(logits.dtype, logits_dtype), KEY_BITS=key_bits(logits.dtype, logits_dtype),
                       CANDIDATES=bool(candidates), DRAFT_BEST=not candidates,
                       CAP=cand_keys.shape[2] if candidates else 16, SEG=seg, SUB=SUB_BLOCK)
-    return KernelLaunch(draft_head_scan_kernel, _grid(rows * n_segments), args, constexprs, warps)
+    return _tuned(tuning_spaces.HEAD_SCAN, draft_head_scan_kernel, _grid(rows * n_segments), args, constexprs, logits,
+                  rows, vocab)
 
 
 def plan_merge(logits, target, partials, best, cand_keys, cand_ids, cand_count, given_ids, labels, outputs: dict,
@@ -138,7 +153,8 @@ def plan_merge(logits, target, partials, best, cand_keys, cand_ids, cand_count, 
                       ROUND=round_code(logits.dtype, logits_dtype), KEY_BITS=key_bits(logits.dtype, logits_dtype),
                       TOPK=topk_mode, CE_SLOT=ce_slot, S_P2=next_power_of_2(n_segments),
                       CAP=cand_keys.shape[2] if topk_mode == 1 else 16)
-    return KernelLaunch(draft_head_merge_kernel, _grid(rows), args, constexprs, 8 if topk_mode == 1 else 4)
+    space = tuning_spaces.HEAD_MERGE_CANDIDATES if topk_mode == 1 else tuning_spaces.HEAD_MERGE
+    return _tuned(space, draft_head_merge_kernel, _grid(rows), args, constexprs, logits, rows, vocab)
 
 
 def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: int, loss_mask: int, logit_scale: float,
@@ -150,7 +166,7 @@ def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: in
     may be None; the top-k and label gradients into ``sparse`` E [N, K + 1], zeros in,
     instead of the plane when it is given)."""
     rows, vocab = logits.shape
-    seg, warps = segment_tiles(logits.dtype, softcap > 0)
+    seg, _ = segment_tiles(logits.dtype, softcap > 0)
     n_segments = cdiv(vocab, seg)
     stand_in = row_stats
     plane = planes if planes is not None else logits
@@ -175,7 +191,8 @@ def plan_sweep(logits, target, row_stats, label_ids, sums, planes, row_start: in
                       SUMS=sums is not None, GRADS=grads, PLANE_MASK=plane_mask if grads == 1 else 0,
                       HAS_GRAD_LOSSES=grad_losses is not None, HAS_GRAD_TOPK=grad_topk is not None,
                       HAS_GRAD_LABEL=grad_label is not None, SPARSE_OUT=sparse is not None, SEG=seg)
-    return KernelLaunch(draft_head_sweep_kernel, _grid(rows * n_segments), args, constexprs, warps)
+    return _tuned(tuning_spaces.HEAD_SWEEP, draft_head_sweep_kernel, _grid(rows * n_segments), args, constexprs,
+                  logits, rows, vocab)
 
 
 def plan_sparse_add(plane, sparse, topk_ids, label_ids, column_start: int, has_topk: bool,
@@ -187,7 +204,8 @@ def plan_sparse_add(plane, sparse, topk_ids, label_ids, column_start: int, has_t
                 column_start=column_start, columns=columns, top_k=topk_ids.shape[1],
                 stride_plane_row=plane.stride(0))
     constexprs = dict(HAS_GRAD_TOPK=bool(has_topk), HAS_GRAD_LABEL=bool(has_label))
-    return KernelLaunch(draft_head_sparse_add_kernel, _grid(rows), args, constexprs, 1)
+    return _tuned(tuning_spaces.HEAD_SPARSE_ADD, draft_head_sparse_add_kernel, _grid(rows), args, constexprs, plane,
+                  rows, columns)
 
 
 def plan_finish(sums, label_ids, losses, overlap, row_stats, row_start: int, rows: int, loss_mask: int,
@@ -198,7 +216,7 @@ def plan_finish(sums, label_ids, losses, overlap, row_stats, row_start: int, row
                 overlap_ptr=overlap, row_stats_ptr=row_stats, row_start=row_start, n_rows=label_ids.shape[0],
                 n_segments=n_segments)
     constexprs = dict(LOSS_MASK=loss_mask, HAS_TARGET=has_target, S_P2=next_power_of_2(n_segments))
-    return KernelLaunch(draft_head_finish_kernel, _grid(rows), args, constexprs, 1)
+    return _tuned(tuning_spaces.HEAD_FINISH, draft_head_finish_kernel, _grid(rows), args, constexprs, sums, rows)
 
 
 def plan_hidden_grad(out, planes, grad_losses, weight, topk_ids, topk_z, grad_topk, label_ids, label_z, grad_label,
@@ -232,24 +250,34 @@ def plan_hidden_grad(out, planes, grad_losses, weight, topk_ids, topk_z, grad_to
                       HAS_GRAD_LABEL=grad_label is not None, HAS_SOFTCAP=softcap > 0, SHARD=bool(shard),
                       SLOPED=bool(sloped), ACCUMULATE=bool(accumulate),
                       K_BLOCK=min(16, next_power_of_2(max(top_k, 1))), BLOCK_H=block_h)
-    return KernelLaunch(draft_head_hidden_grad_kernel, _grid(rows * h_tiles), args, constexprs, 4)
+    return _tuned(tuning_spaces.HEAD_HIDDEN_GRAD, draft_head_hidden_grad_kernel, _grid(rows * h_tiles), args,
+                  constexprs, weight, rows, width, weight.shape[0])
 
 
-def topk_tiles(dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of the radix select over planes of ``dtype``."""
-    return (1024, 8) if dtype == torch.float64 else (2048, 8)
+def topk_block(dtype: torch.dtype, config) -> int:
+    """BLOCK_V of the radix select over planes of ``dtype`` in ``config`` of HEAD_RADIX_TOPK
+    (its block_v counts fp32 entries: half as many fp64 ones, the same registers)."""
+    block_v = config.params["block_v"]
+    return block_v // 2 if dtype == torch.float64 else block_v
 
 
 def plan_radix_topk(logits, top_k: int, ids, keys, logit_scale: float, softcap: float,
                     logits_dtype: torch.dtype) -> KernelLaunch:
     """The radix select over raw logits [R, V]: ids, keys [R, K] int64, in id order."""
     rows, vocab = logits.shape
-    block_v, warps = topk_tiles(logits.dtype)
     args = dict(values_ptr=logits, ids_ptr=ids, keys_ptr=keys, vocab=vocab, top_k=top_k,
                 stride_values_row=logits.stride(0), stride_out_row=ids.stride(0), **_scalars(logit_scale, softcap))
     constexprs = dict(HAS_SOFTCAP=softcap > 0, ROUND=round_code(logits.dtype, logits_dtype),
-                      KEY_BITS=key_bits(logits.dtype, logits_dtype), BLOCK_V=block_v)
-    return KernelLaunch(draft_head_topk_kernel, _grid(rows), args, constexprs, warps)
+                      KEY_BITS=key_bits(logits.dtype, logits_dtype))
+    space = tuning_spaces.HEAD_RADIX_TOPK
+
+    def launch(config) -> KernelLaunch:
+        return KernelLaunch(draft_head_topk_kernel, _grid(rows), args,
+                            dict(constexprs, BLOCK_V=topk_block(logits.dtype, config)), config.num_warps,
+                            config.num_stages)
+
+    key = (*constexprs.values(), logits.dtype, top_k, rows_class(rows), rows_class(vocab))
+    return launch(TUNER.choose(space, key, logits, launch))
 
 
 # --- the vocab-parallel shard's merges (shard_kernels.py; driver: shard_gpu.py) ----------------
@@ -288,7 +316,8 @@ def plan_shard_pack(logits, target, partials, best, cand_keys, cand_ids, cand_co
                       KEY_BITS=key_bits(logits.dtype, logits_dtype), TOPK=topk_mode, KW=candidate_slots,
                       S_P2=max(1, next_power_of_2(n_segments)),
                       CAP=cand_keys.shape[2] if topk_mode == 1 and cand_keys is not None else 16)
-    return KernelLaunch(draft_head_shard_pack_kernel, _grid(rows), args, constexprs, 8)
+    return _tuned(tuning_spaces.HEAD_SHARD_PACK, draft_head_shard_pack_kernel, _grid(rows), args, constexprs, logits,
+                  rows, vocab)
 
 
 def plan_shard_merge(gathered, logits, target, labels, given_ids, outputs: dict, row_start: int, vocab_start: int,
@@ -315,7 +344,8 @@ def plan_shard_merge(gathered, logits, target, labels, given_ids, outputs: dict,
                       ROUND=round_code(logits.dtype, logits_dtype), KEY_BITS=key_bits(logits.dtype, logits_dtype),
                       TOPK=topk_mode, KW=slots, W_P2=next_power_of_2(world),
                       KW_P2=next_power_of_2(slots))
-    return KernelLaunch(draft_head_shard_merge_kernel, _grid(rows), args, constexprs, 4)
+    return _tuned(tuning_spaces.HEAD_SHARD_MERGE, draft_head_shard_merge_kernel, _grid(rows), args, constexprs, logits,
+                  rows, logits.shape[1])
 
 
 def plan_shard_shares(sums, shares, row_start: int, rows: int, top_k: int) -> KernelLaunch:
@@ -324,8 +354,8 @@ def plan_shard_shares(sums, shares, row_start: int, rows: int, top_k: int) -> Ke
     n_segments = sums.shape[1]
     args = dict(sums_ptr=sums if sums.numel() else shares, shares_ptr=shares, row_start=row_start,
                 n_segments=n_segments, top_k=top_k)
-    return KernelLaunch(draft_head_shard_shares_kernel, _grid(rows), args,
-                        dict(S_P2=max(1, next_power_of_2(n_segments))), 1)
+    return _tuned(tuning_spaces.HEAD_SHARD_SHARES, draft_head_shard_shares_kernel, _grid(rows), args,
+                  dict(S_P2=max(1, next_power_of_2(n_segments))), shares, rows, top_k)
 
 
 def plan_shard_final(outputs: dict, row_start: int, rows: int, top_k: int, loss_mask: int, has_target: bool,
@@ -339,4 +369,5 @@ def plan_shard_final(outputs: dict, row_start: int, rows: int, top_k: int, loss_
                 at_topk_ptr=o["at_topk"], label_z_ptr=o["label_z"], label_logit_ptr=o["label_logit"],
                 row_start=row_start, n_rows=o["label_ids"].shape[0], top_k=top_k)
     constexprs = dict(LOSS_MASK=loss_mask, HAS_TARGET=has_target, ROUND=round_code(plane_dtype_, logits_dtype))
-    return KernelLaunch(draft_head_shard_final_kernel, _grid(rows), args, constexprs, 1)
+    return _tuned(tuning_spaces.HEAD_SHARD_FINAL, draft_head_shard_final_kernel, _grid(rows), args, constexprs,
+                  o["shares"], rows, top_k)

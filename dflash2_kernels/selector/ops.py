@@ -179,6 +179,10 @@ def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 or tensor.shape[-1] <= 1 else tensor.contiguous()
 
 
+def _as_int64(ids: torch.Tensor) -> torch.Tensor:
+    return ids if ids.dtype == torch.int64 else ids.long()
+
+
 def _nothing_to_fuse(predecessor_codebook, predecessor_ids, candidate_ids) -> bool:
     """No rows, no candidates or rank 0: the result is empty or the gathered unary alone,
     which the reference forms (with its gradients) at no cost."""
@@ -200,22 +204,26 @@ def _fused_scores(unary, projected, predecessor_codebook, successor_codebook, pr
     if projected.dtype != predecessor_codebook.dtype:
         # The kernels read P in the codebook dtype or fp32; fp32 holds any P exactly.
         projected = projected.float()
+    # Already flat and int64 (the common call): no reshape or cast, each a dispatcher call.
+    flat = len(lead) == 1
     args = (
-        _unit_last_stride(unary.reshape(rows, unary.shape[-1])),
-        _unit_last_stride(projected.reshape(rows, rank)),
+        _unit_last_stride(unary if flat else unary.reshape(rows, unary.shape[-1])),
+        _unit_last_stride(projected if flat else projected.reshape(rows, rank)),
         _unit_last_stride(predecessor_codebook),
         _unit_last_stride(successor_codebook),
-        predecessor_ids.reshape(rows).long(),
-        candidate_ids.reshape(rows, k).long(),
+        _as_int64(predecessor_ids if flat else predecessor_ids.reshape(rows)),
+        _as_int64(candidate_ids if flat else candidate_ids.reshape(rows, k)),
         unary_gathered,
         out_dtype,
     )
     if not plain_eager(*args[:4]):
-        return torch.ops.dflash2.selector_scores(*args).view(*lead, k)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
-        return _EagerSelectorScores.apply(*args).view(*lead, k)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.dflash2.selector_scores.default(*args).view(*lead, k)
+        scores = torch.ops.dflash2.selector_scores(*args)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+        scores = _EagerSelectorScores.apply(*args)
+    else:
+        with torch._C._AutoDispatchBelowAutograd():
+            scores = torch.ops.dflash2.selector_scores.default(*args)
+    return scores if flat else scores.view(*lead, k)
 
 
 # --- The eager path -------------------------------------------------------------------
