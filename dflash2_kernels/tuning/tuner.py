@@ -153,10 +153,11 @@ class Tuner:
         return None
 
     def _time_space(self, space: Space, key: tuple, gpu: str, device_of, trial) -> Config:
-        launches = [(config, trial(config)) for config in space.configs]
-        kept = {name: launches[0][1].args[name].clone() for name in space.mutates}
-        times = {}
-        for config, launch in launches:
+        kept, times = None, {}
+        for config in space.configs:  # one at a time: a trial's buffers go before the next's
+            launch = trial(config)
+            if kept is None:
+                kept = {name: launch.args[name].clone() for name in space.mutates}
             try:
                 times[config.name] = self._timer(launch, device_of)
             except Exception as error:  # a configuration this GPU cannot run (resources)
