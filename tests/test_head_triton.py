@@ -81,7 +81,7 @@ def test_triton_head_weight_grad(case, poison_empty):
 
 
 def test_triton_head_leading_dims_and_strides():
-    case = (33, 1000, 24, F32, F32, ALL, 16, 0.8, 3.0, "given", 0.02)
+    case = (33, 1000, 24, F32, F32, ALL, 16, 0.8, 3.0, "given", 0.1)  # chunks of a few rows
     hidden, weight, kwargs, ours, ref, grads = _run(case, lead=(3, 11), strided=True, device=DEVICE)
     assert ours.topk_ids.shape == (3, 11, 16) and ours.losses["kl_div"].shape == (3, 11)
     _check_case(case, hidden, weight, kwargs, ours, ref, grads)

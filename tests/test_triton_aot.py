@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,12 @@ HEAD_KERNELS = ["scan", "merge", "sweep", "sweep_row_sums", "sweep_backward", "s
 # Every member of every configuration space (dflash2_kernels/tuning/spaces.py) beyond the
 # defaults above, at the published conv shape and two head configurations that launch
 # every head kernel between them (speculators' kl_div with candidates; every loss with
-# the radix select): no member a GPU's timing may pick goes uncompiled.
+# the radix select: its merge and the select alone): no member a GPU's timing may pick
+# goes uncompiled.
 TUNING_DEPTH = max(len(space.configs) for space in SPACES.values())
 TUNING_CONFIGS = [[5120, 16, 2, BF16, index] for index in range(1, TUNING_DEPTH)] + [
-    {**HEAD_CONFIGS[entry], "tuning": index} for entry in (0, 6) for index in range(1, TUNING_DEPTH)]
+    {**HEAD_CONFIGS[0], "tuning": index} for index in range(1, TUNING_DEPTH)] + [
+    {**HEAD_CONFIGS[6], "tuning": index, "kernels": ["merge", "radix_topk"]} for index in range(1, TUNING_DEPTH)]
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = [major * 10 + minor for major, minor in _cuda_archs.TARGETS]
 
@@ -88,9 +91,13 @@ def usage():
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=REPO, env=env)
                 for i in range(share)]
+    # One thread a child: communicate() on one child at a time would leave the next blocked
+    # on its stdin, compiling one child after another.
+    payload = json.dumps(CONFIGS + HEAD_CONFIGS + TUNING_CONFIGS)
+    with ThreadPoolExecutor(len(children)) as pool:
+        outputs = list(pool.map(lambda child: child.communicate(payload, timeout=900), children))
     found = {}
-    for child in children:
-        out, err = child.communicate(json.dumps(CONFIGS + HEAD_CONFIGS + TUNING_CONFIGS), timeout=900)
+    for child, (out, err) in zip(children, outputs):
         assert child.returncode == 0, err[-4000:]
         found.update(json.loads(out))
     return found
@@ -221,7 +228,8 @@ def _tuning_pairs() -> list:
     pairs = []
     for config in TUNING_CONFIGS:
         index = _member_index(config)
-        kernels = _CONV_SPACES if isinstance(config, list) else [k for k in HEAD_KERNELS if _launched(config, k)]
+        kernels = _CONV_SPACES if isinstance(config, list) else [
+            k for k in config.get("kernels", HEAD_KERNELS) if _launched(config, k)]
         pairs += [(config, kernel) for kernel in kernels if len(SPACES[_space_of(config, kernel)].configs) > index]
     return pairs
 

@@ -183,16 +183,18 @@ def head_plans(weight: str, logits: str, loss_mask: int, target: bool, labels: b
 
 def plans_of(config) -> dict:
     """A conv configuration is a list (conv_plans' arguments); a draft head configuration a
-    dict {"head": head_plans' keyword arguments}. A conv list's fifth item or a head dict's
-    "tuning" is a member index: every kernel in its space's member of that index (spaces
+    dict {"head": head_plans' keyword arguments} (with "kernels": only those). A conv list's
+    fifth item or a head dict's "tuning" is a member index: every kernel in its space's member of that index (spaces
     with fewer members keep their default), else the defaults."""
     from dflash2_kernels.tuning import SPACES, TUNER
 
     index = config.get("tuning", 0) if isinstance(config, dict) else (config[4] if len(config) > 4 else 0)
     with TUNER.forced({name: space.configs[index] for name, space in SPACES.items() if len(space.configs) > index}):
-        if isinstance(config, dict):
-            return head_plans(**config["head"])
-        return conv_plans(*config[:4])
+        if not isinstance(config, dict):
+            return conv_plans(*config[:4])
+        plans = head_plans(**config["head"])
+    only = config.get("kernels")  # a head configuration's kernels of interest (default: all)
+    return {kernel: plan for kernel, plan in plans.items() if only is None or kernel in only}
 
 
 def _compile_key(launch) -> str:
