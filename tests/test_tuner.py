@@ -122,12 +122,18 @@ def test_retune_skips_the_tables(env, monkeypatch):
     assert _choose(tuner).name == "b" and len(tuner.timed) == 3
 
 
-@pytest.mark.parametrize("value", ["0", "off"])
+@pytest.mark.parametrize("value", ["0", "off", " OFF "])
 def test_autotune_off_launches_the_default_untimed(env, monkeypatch, value):
     env.write_text(json.dumps({GPU: {"toy": {"digest": SPACE.digest, "winners": {key_text(KEY): "c"}}}}))
     monkeypatch.setenv("DFLASH2_AUTOTUNE", value)
     tuner = _StandInTuner({"a": 3.0, "b": 1.0, "c": 2.0}, env)
     assert _choose(tuner).name == "a" and tuner.timed == []
+
+
+def test_a_bad_autotune_value_names_the_variable(env, monkeypatch):
+    monkeypatch.setenv("DFLASH2_AUTOTUNE", "fast")
+    with pytest.raises(ValueError, match="DFLASH2_AUTOTUNE must be 1 .* got 'fast'"):
+        _choose(_StandInTuner({"a": 3.0, "b": 1.0, "c": 2.0}, env))
 
 
 def test_mutated_buffers_are_restored_after_each_trial(env):

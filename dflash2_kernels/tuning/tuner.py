@@ -2,7 +2,7 @@
 
 Per (space, shape class, GPU), the first match of:
 
-1. a configuration forced by :func:`forced` (the tests, the GPU script);
+1. a configuration forced by :meth:`Tuner.forced` (the tests);
 2. this process's earlier choice;
 3. the shipped table (``shipped.json``: winners the GPU script measured, per GPU name);
 4. the on-disk cache (``$DFLASH2_CACHE_DIR`` or ``~/.cache/dflash2_kernels``, one file per
@@ -37,11 +37,16 @@ _GRAPH_LAUNCHES = 10  # launches a timed graph replays: tiny kernels' device tim
 _TIMED_REPLAYS = 5
 
 
+_MODES = {"": "on", "1": "on", "on": "on", "0": "off", "off": "off", "retune": "retune"}
+
+
 def _mode() -> str:
+    """DFLASH2_AUTOTUNE, read at each shape class's first launch: "on", "off" or "retune"."""
     value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return "off"
-    return "retune" if value == "retune" else "on"
+    if value not in _MODES:
+        raise ValueError(f"{ENV} must be 1 (tune; the default), 0 (the default configurations) or retune, "
+                         f"got {value!r}.")
+    return _MODES[value]
 
 
 def cache_dir() -> Path:
