@@ -24,9 +24,6 @@ class Config:
     num_stages: int = 3
     params: dict = field(default_factory=dict, hash=False, compare=False)
 
-    def param(self, key: str, default):
-        return self.params.get(key, default)
-
 
 @dataclass(frozen=True)
 class Space:
